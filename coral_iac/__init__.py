@@ -1,0 +1,1 @@
+"""Coral IaC: Pulumi program, bootstrap rendering and the coral CLI."""

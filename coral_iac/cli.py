@@ -1,0 +1,320 @@
+"""The `coral` command-line tool (Typer + Rich). Human output on stderr, `--json` on stdout."""
+
+from __future__ import annotations
+
+import csv
+import datetime as dt
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any, Literal, TypeVar
+
+import typer
+import yaml
+from rich.console import Console
+from rich.table import Table
+
+from solver.errors import CoralError
+
+app = typer.Typer(
+    help="Coral IaC: serve many LLMs on the cheapest mix of cloud GPUs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+catalog_app = typer.Typer(help="GPU types, node configs and cloud offers.", no_args_is_help=True)
+profile_app = typer.Typer(
+    help="The performance model: layer times and profile tables T̂.", no_args_is_help=True
+)
+app.add_typer(catalog_app, name="catalog")
+app.add_typer(profile_app, name="profile")
+
+err = Console(stderr=True)
+out = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
+
+
+class CoralCliError(typer.Exit):
+    """Exit code 1 after printing a domain error."""
+
+
+def reports_errors(fn: F) -> F:
+    """Turn CoralError into a clean message on stderr and exit code 1 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CoralError as exc:
+            err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+
+
+# ---------------------------------------------------------------- catalog
+
+
+@catalog_app.command("show")
+@reports_errors
+def catalog_show(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    cloud: Annotated[str | None, typer.Option(help="Only this cloud (aws, gcp).")] = None,
+    region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
+) -> None:
+    """Print every offer: instance type, node config, $/hour, network, default availability."""
+    from solver.catalog import load_catalog
+
+    cat = load_catalog()
+    offers = [o for o in cat.offers if (cloud in (None, o.cloud)) and (region in (None, o.region))]
+    if as_json:
+        print_json([o.model_dump(mode="json") | {"node": o.node} for o in offers])
+        return
+    table = Table(title=f"{len(offers)} offers (on-demand, USD/hour)")
+    for col in (
+        "cloud",
+        "region",
+        "node",
+        "instance type",
+        "$/hour",
+        "$/GPU-hour",
+        "net Gbps",
+        "avail",
+        "price read",
+    ):
+        table.add_column(col, justify="right" if col[0] in "$na" else "left")
+    for o in offers:
+        table.add_row(
+            o.cloud,
+            o.region,
+            o.node,
+            o.instance_type,
+            f"{o.price_usd_per_hour:.3f}",
+            f"{o.price_usd_per_hour / o.gpu_count:.3f}",
+            f"{o.network_gbps:g}",
+            str(o.availability),
+            str(o.retrieved),
+        )
+    out.print(table)
+    if cat.unsold_shapes:
+        err.print(
+            "Shapes of the 1/2/4/8-GPU grid no cloud here sells: "
+            + ", ".join(f"{u.cloud}:{u.node}" for u in cat.unsold_shapes)
+        )
+
+
+@catalog_app.command("import-skypilot")
+@reports_errors
+def catalog_import_skypilot(
+    vms_csv: Annotated[Path, typer.Argument(help="SkyPilot catalog vms.csv (schema v8).")],
+    cloud: Annotated[str, typer.Option(help="Which cloud the file is for: aws or gcp.")],
+    region: Annotated[list[str] | None, typer.Option(help="Keep only these regions.")] = None,
+    out_path: Annotated[
+        Path | None, typer.Option("--out", help="Write offers YAML here (default: stdout).")
+    ] = None,
+) -> None:
+    """Read a SkyPilot vms.csv into offers (cheapest instance per region and node shape)."""
+    from solver.catalog import load_catalog
+    from solver.errors import InputError
+    from solver.skypilot import import_vms_rows
+
+    try:
+        with vms_csv.open(encoding="utf-8", newline="") as handle:
+            rows = list(csv.DictReader(handle))
+    except OSError as exc:
+        raise InputError(
+            str(vms_csv), f"cannot read file ({exc.strerror})", "check the path"
+        ) from exc
+    offers = import_vms_rows(
+        rows,
+        cloud,
+        load_catalog(),
+        f"SkyPilot catalog {vms_csv.name}",
+        dt.date.today(),
+        set(region) if region else None,
+    )
+    doc = {"schema_version": 1, "offers": [o.model_dump(mode="json") for o in offers]}
+    text = yaml.safe_dump(doc, sort_keys=False)
+    if out_path:
+        out_path.write_text(text, encoding="utf-8")
+        err.print(f"Wrote {len(offers)} offers to {out_path}")
+    else:
+        sys.stdout.write(text)
+
+
+# ---------------------------------------------------------------- profile
+
+Phase = Literal["prefill", "decode"]
+MeasuredOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--measured",
+        help="Folder of measured tables (<model>__<node>__<phase>.csv) that replace "
+        "the analytical model where present.",
+    ),
+]
+
+
+@profile_app.command("layer-time")
+@reports_errors
+def profile_layer_time(
+    model: Annotated[str, typer.Option(help="Model id, e.g. llama2-70b.")],
+    node: Annotated[str, typer.Option(help="Node config <gpu>x<count>, e.g. l4x1.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    batch: Annotated[int | None, typer.Option(help="Decode batch (sequences).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Prefill batch (prompt tokens).")] = None,
+    context: Annotated[
+        float | None,
+        typer.Option(
+            help="Decode context, or prefill prompt length, in tokens (default: the calibration's "
+            "fitted values, the lengths the measurements were taken at)."
+        ),
+    ] = None,
+    measured: MeasuredOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Time of one transformer layer on one node (TP across the node's GPUs)."""
+    from solver.calibration import load_calibration
+    from solver.defaults import load_perf_model
+    from solver.errors import InputError
+
+    ph = _phase(phase)
+    size = batch if ph == "decode" else tokens
+    if size is None:
+        need = "--batch" if ph == "decode" else "--tokens"
+        raise InputError(need, f"required for --phase {ph}", f"pass {need} N")
+    cal = load_calibration()
+    ctx = context or (cal.decode_context_tokens if ph == "decode" else cal.prefill_prompt_tokens)
+    pm = load_perf_model(measured)
+    lt = pm.layer_time(model, node, ph, size, ctx)
+    result = {
+        "model": model,
+        "node": pm.catalog.node(node).id,
+        "phase": ph,
+        "size": size,
+        "context": ctx,
+        "ms_per_layer": round(lt.ms, 6),
+        "tp": lt.tp,
+        "source": lt.source,
+    }
+    if as_json:
+        print_json(result)
+    else:
+        out.print(
+            f"{model} on {result['node']} ({ph}, size {size}, context {ctx:g}): "
+            f"[bold]{lt.ms:.3f} ms[/] per layer (TP={lt.tp}, {lt.source})"
+        )
+
+
+def _phase(phase: str) -> Phase:
+    from solver.errors import InputError
+
+    if phase not in ("prefill", "decode"):
+        raise InputError("--phase", f"unknown phase '{phase}'", "use prefill or decode")
+    return phase  # type: ignore[return-value]
+
+
+@profile_app.command("table")
+@reports_errors
+def profile_table(
+    model: Annotated[str, typer.Option(help="Model id, e.g. qwen3-32b.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    budget_ms: Annotated[float, typer.Option(help="Per-stage latency budget, ms.")],
+    context: Annotated[
+        float, typer.Option(help="Decode context / prefill prompt length, tokens.")
+    ] = 1024,
+    node: Annotated[list[str] | None, typer.Option(help="Only these node configs.")] = None,
+    no_hop: Annotated[
+        bool,
+        typer.Option(
+            "--no-hop", help="Do not charge the hop to a next stage (single-stage replicas)."
+        ),
+    ] = False,
+    measured: MeasuredOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """T̂_j(c): the most tokens/s each node config delivers holding j layers within the budget."""
+    from solver.defaults import load_perf_model
+
+    pm = load_perf_model(measured)
+    entries = pm.profile_table(model, _phase(phase), budget_ms, node, context, hop=not no_hop)
+    if as_json:
+        print_json([e.__dict__ for e in entries])
+        return
+    by_node: dict[str, list[Any]] = {}
+    for e in entries:
+        by_node.setdefault(e.node, []).append(e)
+    table = Table(
+        title=f"T̂ for {model} {phase}, budget {budget_ms:g} ms per stage "
+        f"(tokens/s at j layers; * = measured table)"
+    )
+    for col in ("node", "max j", "TP", "T̂ at j=1", "T̂ at j=max/2", "T̂ at max j", "batch at max j"):
+        table.add_column(col, justify="left" if col == "node" else "right")
+    nodes = node or list(pm.catalog.node_configs)
+    for n in nodes:
+        es = by_node.get(pm.catalog.node(n).id, [])
+        if not es:
+            table.add_row(n, "0", "-", "-", "-", "-", "-")
+            continue
+        mark = "*" if es[0].source == "measured" else ""
+        mid = es[(len(es) - 1) // 2]
+        table.add_row(
+            f"{n}{mark}",
+            str(es[-1].layers),
+            str(es[-1].tp),
+            f"{es[0].tokens_per_s:,.0f}",
+            f"{mid.tokens_per_s:,.0f} (j={mid.layers})",
+            f"{es[-1].tokens_per_s:,.0f}",
+            str(es[-1].batch),
+        )
+    out.print(table)
+
+
+@profile_app.command("calibrate")
+@reports_errors
+def profile_calibrate(
+    data: Annotated[Path, typer.Option(help="Folder of Helix per-layer CSVs.")] = DEFAULT_HELIX_DIR,
+    write: Annotated[
+        bool,
+        typer.Option(
+            help="Refit and write solver/data/calibration.yaml (else: check the stored fit)."
+        ),
+    ] = False,
+    doc: Annotated[
+        Path | None, typer.Option(help="Write the error table as Markdown here.")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Per-file error of the performance model against the measured timings (and refit)."""
+    from coral_iac.reports import calibration_markdown
+    from solver.calibration import error_table, fit, load_calibration, load_helix_dir
+    from solver.catalog import load_catalog
+    from solver.io import data_path
+    from solver.model_cards import load_model_cards
+
+    files, cards, cat = load_helix_dir(data), load_model_cards(), load_catalog()
+    cal = fit(files, cards, cat) if write else load_calibration()
+    if write:
+        path = data_path("calibration.yaml")
+        header = "# Fitted efficiency factors of the performance model. Generated: do not edit.\n"
+        path.write_text(header + yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False))
+        err.print(f"Wrote {path}")
+    rows = error_table(files, cards, cat, cal)
+    if as_json:
+        print_json([r.__dict__ for r in rows])
+    md = calibration_markdown(rows, cal, files, cards, cat)
+    if doc:
+        doc.write_text(md, encoding="utf-8")
+        err.print(f"Wrote {doc}")
+    if not as_json:
+        sys.stdout.write(md)
+
+
+def main() -> None:  # pragma: no cover - console entry point
+    app()

@@ -1,0 +1,1 @@
+"""Coral IaC solver core: catalog, performance model, serving templates, allocation (pure, no cloud SDKs)."""

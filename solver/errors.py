@@ -1,0 +1,54 @@
+"""Domain errors for every stage: what failed, with the offending values, and how to fix it."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+
+class CoralError(Exception):
+    """Base class of every error Coral reports to a user (never a bare traceback)."""
+
+
+class InputError(CoralError):
+    """Bad user input or data file: names the field, the bad value and the fix.
+
+    Args:
+        field: dotted path of the offending field (``"offers[3].price_usd_per_hour"``).
+        problem: what is wrong, with the offending value.
+        fix: what the user should do instead.
+        suggestions: close known values, shown as "Did you mean ...?".
+    """
+
+    def __init__(
+        self, field: str, problem: str, fix: str = "", suggestions: Iterable[str] = ()
+    ) -> None:
+        self.field = field
+        self.problem = problem
+        self.fix = fix
+        self.suggestions = list(suggestions)
+        super().__init__(self.render())
+
+    def render(self) -> str:
+        text = f"{self.field}: {self.problem}"
+        if self.fix:
+            text += f"\n  To fix: {self.fix}"
+        if self.suggestions:
+            quoted = ", ".join(f"'{s}'" for s in self.suggestions)
+            text += f"\n  Did you mean {quoted}?"
+        return text
+
+
+def unknown_value(field: str, value: str, known: Iterable[str], kind: str) -> InputError:
+    """An InputError for an unknown id, suggesting the closest known ones."""
+    known_list = sorted(known)
+    close = difflib.get_close_matches(value, known_list, n=3, cutoff=0.5)
+    if not close:
+        # Prefix matches catch ids like "llama2" -> "llama2-70b" that difflib scores low.
+        close = [k for k in known_list if k.startswith(value) or value.startswith(k)][:3]
+    return InputError(
+        field,
+        f"unknown {kind} '{value}'",
+        f"use one of: {', '.join(known_list)}",
+        close,
+    )

@@ -1,0 +1,177 @@
+"""The `coral` CLI contract: JSON keys, exit codes, messages naming the bad value."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from coral_iac.cli import app
+from tests.conftest import FIXTURES, HELIX_DIR
+
+runner = CliRunner()
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def test_layer_time_decode_json():
+    r = run(
+        "profile",
+        "layer-time",
+        "--model",
+        "llama2-70b",
+        "--node",
+        "l4x1",
+        "--phase",
+        "decode",
+        "--batch",
+        "64",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["ms_per_layer"] > 0 and data["tp"] == 1 and data["source"] == "analytical"
+
+
+def test_layer_time_prefill_json_matches_measurement_closely():
+    r = run(
+        "profile",
+        "layer-time",
+        "--model",
+        "llama2-70b",
+        "--node",
+        "a100-40gbx1",
+        "--phase",
+        "prefill",
+        "--tokens",
+        "1000",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    ms = json.loads(r.stdout)["ms_per_layer"]
+    measured = dict(
+        (float(a), float(b))
+        for a, b in (
+            line.split(",")
+            for line in (HELIX_DIR / "llama2-70b_a100_prompt.csv").read_text().split()
+        )
+    )
+    assert ms == pytest.approx(measured[1000.0], rel=0.25)
+
+
+def test_unshipped_shape_is_accepted():
+    r = run(
+        "profile",
+        "layer-time",
+        "--model",
+        "llama1-30b",
+        "--node",
+        "t4x4",
+        "--phase",
+        "decode",
+        "--batch",
+        "8",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    assert json.loads(r.stdout)["tp"] == 4
+
+
+@pytest.mark.parametrize(
+    ("args", "bad", "suggestion"),
+    [
+        (["--model", "llama2-7b", "--node", "l4x1"], "llama2-7b", "llama2-70b"),
+        (["--model", "llama2-70b", "--node", "l40x1"], "l40x1", "l40sx1"),
+        (["--model", "llama2-70b", "--node", "rtx4090x1"], "rtx4090x1", None),
+    ],
+)
+def test_unknown_model_or_node_exits_1_with_suggestion(args, bad, suggestion):
+    r = run("profile", "layer-time", *args, "--phase", "decode", "--batch", "8")
+    assert r.exit_code == 1
+    assert bad in r.output and "Traceback" not in r.output
+    if suggestion:
+        assert suggestion in r.output
+
+
+def test_negative_batch_is_a_clear_error():
+    r = run(
+        "profile",
+        "layer-time",
+        "--model",
+        "llama2-70b",
+        "--node",
+        "l4x1",
+        "--phase",
+        "decode",
+        "--batch",
+        "-3",
+    )
+    assert r.exit_code == 1 and "batch" in r.output and "> 0" in r.output
+
+
+def test_missing_size_option_names_it():
+    r = run(
+        "profile", "layer-time", "--model", "llama2-70b", "--node", "l4x1", "--phase", "prefill"
+    )
+    assert r.exit_code == 1 and "--tokens" in r.output
+
+
+def test_profile_table_lists_every_node_config():
+    r = run(
+        "profile",
+        "table",
+        "--model",
+        "qwen3-32b",
+        "--phase",
+        "decode",
+        "--budget-ms",
+        "50",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    entries = json.loads(r.stdout)
+    assert entries and all(e["stage_ms"] <= 50 for e in entries)
+    human = run(
+        "profile", "table", "--model", "qwen3-32b", "--phase", "decode", "--budget-ms", "50"
+    )
+    assert human.exit_code == 0 and "h100x8" in human.output and "l4x1" in human.output
+
+
+def test_catalog_show_json_and_table():
+    r = run("catalog", "show", "--json", "--cloud", "gcp")
+    assert r.exit_code == 0
+    offers = json.loads(r.stdout)
+    assert offers and {o["cloud"] for o in offers} == {"gcp"}
+    assert run("catalog", "show").exit_code == 0
+
+
+def test_import_skypilot_writes_loadable_offers(tmp_path):
+    from solver.catalog import load_catalog
+
+    out = tmp_path / "offers.yaml"
+    r = run(
+        "catalog",
+        "import-skypilot",
+        str(FIXTURES / "skypilot_aws_vms.csv"),
+        "--cloud",
+        "aws",
+        "--out",
+        str(out),
+    )
+    assert r.exit_code == 0, r.output
+    cat = load_catalog(offers_path=out)
+    assert {o.node for o in cat.offers} >= {"l4x1", "l4x4", "a10gx1", "l40sx1"}
+
+
+def test_import_skypilot_missing_file_is_clear(tmp_path):
+    r = run("catalog", "import-skypilot", str(tmp_path / "nope.csv"), "--cloud", "aws")
+    assert r.exit_code == 1 and "nope.csv" in r.output
+
+
+def test_calibrate_reports_every_file():
+    r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--json")
+    assert r.exit_code == 0, r.output
+    assert len(json.loads(r.stdout)) == 12

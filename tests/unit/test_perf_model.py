@@ -1,0 +1,81 @@
+"""Worked numbers and edge cases of the performance model."""
+
+from __future__ import annotations
+
+import pytest
+
+from solver.errors import InputError
+from solver.perf import experts_touched, valid_tp_degrees
+
+
+def test_llama2_70b_does_not_fit_on_one_t4(perf):
+    # 1.71 GB/layer: a 16 GB T4 holds a few layers (Helix ran 4 per T4 with half memory for KV).
+    assert 3 <= perf.max_layers("llama2-70b", "t4x1") <= 7
+    assert perf.max_layers("llama2-70b", "h100x8") == 80
+
+
+def test_profile_entry_of_an_unfitting_layer_count_is_absent(perf):
+    entries = perf.profile_table("llama2-70b", "decode", 200, ["t4x1"])
+    assert entries and max(e.layers for e in entries) == perf.max_layers("llama2-70b", "t4x1")
+
+
+def test_tp_degrees_follow_vllm_head_rules(perf):
+    phi4 = perf.card("phi-4")  # 10 KV heads: TP 4 and 8 neither divide nor are divided by 10
+    assert valid_tp_degrees(phi4, 8) == [1, 2]
+    assert valid_tp_degrees(perf.card("llama1-30b"), 8) == [1, 2, 4]  # 52 heads
+
+
+def test_moe_touches_all_experts_for_large_batches(perf):
+    card = perf.card("qwen3-235b-a22b")
+    assert experts_touched(card, 1) == pytest.approx(8)
+    assert experts_touched(card, 10_000) == pytest.approx(128)
+
+
+def test_unshipped_shape_with_known_gpu_is_accepted(perf):
+    assert perf.layer_time("llama2-70b", "t4x4", "decode", 8, 512).ms > 0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "field"),
+    [({"size": -1}, "batch"), ({"size": 0}, "batch"), ({"context": -5}, "context")],
+)
+def test_non_positive_sizes_name_the_field(perf, kwargs, field):
+    args = {"size": 8, "context": 512} | kwargs
+    with pytest.raises(InputError, match=field):
+        perf.layer_time("llama2-70b", "l4x1", "decode", args["size"], args["context"])
+
+
+def test_measured_table_replaces_the_analytical_model(tmp_path):
+    from solver.defaults import load_perf_model
+
+    (tmp_path / "llama2-70b__l4x1__decode.csv").write_text("0,0\n2,5.0\n10,7.0\n")
+    pm = load_perf_model(tmp_path)
+    lt = pm.layer_time("llama2-70b", "l4x1", "decode", 6, 512)
+    assert lt.source == "measured" and lt.ms == pytest.approx(6.0)
+    with pytest.raises(InputError, match="past the measured table"):
+        pm.layer_time("llama2-70b", "l4x1", "decode", 11, 512)
+    entries = pm.profile_table("llama2-70b", "decode", 1000, ["l4x1"])
+    assert entries and all(e.source == "measured" and e.batch <= 10 for e in entries)
+    # other nodes stay analytical
+    assert pm.layer_time("llama2-70b", "l4x2", "decode", 6, 512).source == "analytical"
+
+
+def test_malformed_measured_table_names_file_and_line(tmp_path):
+    from solver.defaults import load_perf_model
+
+    (tmp_path / "llama2-70b__l4x1__decode.csv").write_text("2,5.0\n4,abc\n")
+    with pytest.raises(InputError, match=r"decode.csv:2"):
+        load_perf_model(tmp_path)
+
+
+def test_helix_files_load_as_measured_tables_exactly(tmp_path, helix_files):
+    """The calibration files themselves are valid measured tables (same two-column shape)."""
+    from solver.defaults import load_perf_model
+
+    src = [f for f in helix_files if f.name == "llama2-70b_l4_decode.csv"][0]
+    (tmp_path / "llama2-70b__l4x1__decode.csv").write_text(
+        "".join(f"{x:g},{ms:g}\n" for x, ms in src.points)
+    )
+    pm = load_perf_model(tmp_path)
+    for x, ms in src.points:
+        assert pm.layer_time("llama2-70b", "l4x1", "decode", x, 512).ms == pytest.approx(ms)
