@@ -318,3 +318,183 @@ def profile_calibrate(
 
 def main() -> None:  # pragma: no cover - console entry point
     app()
+
+
+# ---------------------------------------------------------------- templates
+
+templates_app = typer.Typer(help="Serving-template library (offline stage).", no_args_is_help=True)
+app.add_typer(templates_app, name="templates")
+STACKS_DIR = Path("stacks")
+LIB_PHASES = ("prefill", "decode", "aggregated")
+
+
+def _fleet(stack: str, mode: str | None) -> Any:
+    from solver.errors import InputError
+    from solver.stack import load_stack
+
+    fleet = load_stack(STACKS_DIR, stack)
+    if mode is not None:
+        if mode not in ("vllm", "general"):
+            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
+        fleet = fleet.model_copy(
+            update={"library": fleet.library.model_copy(update={"mode": mode})}
+        )
+    return fleet
+
+
+@templates_app.command("build")
+@reports_errors
+def templates_build(
+    stack: Annotated[str, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Library folder to write.")],
+    mode: Annotated[str | None, typer.Option(help="vllm or general (overrides the stack).")] = None,
+    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
+    phase: Annotated[
+        list[str] | None, typer.Option(help="Phases to build (default: prefill and decode).")
+    ] = None,
+    measured: MeasuredOpt = None,
+) -> None:
+    """Build the serving-template library for every model of a stack."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    from solver.defaults import load_perf_model
+    from solver.library import build_library, save_library
+    from solver.template_library import available_node_configs
+
+    fleet = _fleet(stack, mode)
+    phases = phase or ["prefill", "decode"]
+    for ph in phases:
+        if ph not in LIB_PHASES:
+            from solver.errors import InputError
+
+            raise InputError(
+                "--phase", f"unknown phase '{ph}'", "use prefill, decode or aggregated"
+            )
+    pm = load_perf_model(measured)
+    _, unsold = available_node_configs(fleet, pm.catalog)
+    if unsold:
+        err.print(
+            f"Skipped node configs no offer sells in this stack's regions: {', '.join(unsold)}"
+        )
+    table = Table(title=f"Serving-template library: {stack}, mode {fleet.library.mode}")
+    for col in ("model", "phase", "enumerated", "feasible", "dominated", "kept", "seconds"):
+        table.add_column(col, justify="left" if col in ("model", "phase") else "right")
+    with Progress(
+        "{task.description}",
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        console=err,
+        transient=True,
+    ) as bar:
+        for model in fleet.models:
+            for ph in phases:
+                task = bar.add_task(f"{model} {ph}", total=None)
+                lib = build_library(
+                    pm,
+                    fleet,
+                    model,
+                    ph,
+                    workers,  # type: ignore[arg-type]
+                    lambda d, t, task=task: bar.update(task, completed=d, total=t),
+                )
+                save_library(lib, out_dir)
+                s = lib.stats
+                table.add_row(
+                    model,
+                    ph,
+                    str(s.enumerated),
+                    str(s.feasible),
+                    str(s.dominated),
+                    str(s.kept),
+                    f"{s.build_seconds:.1f}",
+                )
+    err.print(table)
+    err.print(f"Wrote {out_dir}")
+
+
+@templates_app.command("show")
+@reports_errors
+def templates_show(
+    library: Annotated[Path, typer.Option(help="Library folder.")],
+    model: Annotated[str, typer.Option(help="Model id.")],
+    phase: Annotated[str, typer.Option(help="prefill, decode or aggregated.")],
+    top: Annotated[int, typer.Option(help="How many templates.")] = 10,
+    mode: Annotated[str | None, typer.Option(help="vllm or general, when both are built.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """List templates by throughput per dollar (at the cheapest region offering all nodes)."""
+    from solver.catalog import load_catalog
+    from solver.errors import InputError
+    from solver.library import Library
+
+    pattern = f"{model}__{phase}__*__{mode or '*'}.json"
+    files = sorted(library.glob(pattern))
+    if not files:
+        raise InputError(
+            "--library",
+            f"no library file matches {library / pattern}",
+            "build it with `coral templates build`, or check --model/--phase/--mode",
+        )
+    cat = load_catalog()
+    rows = []
+    for f in files:
+        lib = Library.model_validate_json(f.read_text(encoding="utf-8"))
+        for t in lib.templates:
+            price = _cheapest_region_price(cat, t.nodes, lib.node_configs)
+            if price is None:
+                continue
+            region, usd = price
+            rows.append(
+                {
+                    "key": t.key,
+                    "mode": t.mode,
+                    "nodes": t.nodes,
+                    "stages": [s.model_dump() for s in t.stages],
+                    "layer_partition": t.layer_partition,
+                    "tokens_per_s": t.throughput,
+                    "unit": t.unit,
+                    "usd_per_hour": round(usd, 4),
+                    "region": region,
+                    "tokens_per_s_per_usd": round(t.throughput / usd, 4),
+                }
+            )
+    rows.sort(key=lambda r: (-r["tokens_per_s_per_usd"], r["key"]))
+    rows = rows[:top]
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title=f"Top {len(rows)} serving templates: {model} {phase}")
+    for col in ("nodes", "mode", "stages (layers)", "throughput", "$/hour", "region", "per $"):
+        table.add_column(
+            col, justify="right" if col in ("throughput", "$/hour", "per $") else "left"
+        )
+    for r in rows:
+        table.add_row(
+            r["key"],
+            r["mode"],
+            r["layer_partition"],
+            f"{r['tokens_per_s']:,.1f} {r['unit']}",
+            f"{r['usd_per_hour']:.3f}",
+            r["region"],
+            f"{r['tokens_per_s_per_usd']:,.1f}",
+        )
+    out.print(table)
+
+
+def _cheapest_region_price(
+    cat: Any, nodes: list[str], allowed: list[str]
+) -> tuple[str, float] | None:
+    """($/hour, region) of the cheapest region that offers every node of the template."""
+    best = None
+    for cloud, region in cat.regions:
+        prices = {
+            o.node: o.price_usd_per_hour
+            for o in cat.offers
+            if (o.cloud, o.region) == (cloud, region)
+        }
+        if all(n in prices for n in nodes):
+            total = sum(prices[n] for n in nodes)
+            if best is None or total < best[1]:
+                best = (f"{cloud}:{region}", total)
+    return best

@@ -143,12 +143,14 @@ class PerfModel:
         nodes: list[str] | None = None,
         context: float = 1024,
         hop: bool = True,
+        tp: int | None = None,
     ) -> list[ProfileEntry]:
         """T̂ for every node config (default: every node config the catalog sells).
 
         Args:
             context: decode context tokens, or prefill prompt length per request.
             hop: charge the stage for sending its activations to the next node.
+            tp: use only this TP degree (vLLM's one-TP-size rule); default: the best valid one.
         """
         if budget_ms <= 0:
             raise InputError("budget_ms", f"must be > 0, got {budget_ms}", "pass a positive budget")
@@ -157,7 +159,7 @@ class PerfModel:
         for node in nodes if nodes is not None else list(self.catalog.node_configs):
             cfg = self.catalog.node(node)
             for j in range(1, card.layers + 1):
-                entry = self._best_entry(card, model, cfg, phase, j, budget_ms, context, hop)
+                entry = self._best_entry(card, model, cfg, phase, j, budget_ms, context, hop, tp)
                 if entry is None:
                     break  # more layers only take longer and leave less memory
                 out.append(entry)
@@ -173,10 +175,12 @@ class PerfModel:
         budget_ms: float,
         context: float,
         hop: bool,
+        only_tp: int | None = None,
     ) -> ProfileEntry | None:
+        tps = [t for t in self._tps(card, cfg) if only_tp in (None, t)]
         candidates = [
             e
-            for tp in self._tps(card, cfg)
+            for tp in tps
             if (e := self._entry(card, model, cfg, tp, phase, j, budget_ms, context, hop))
         ]
         return max(candidates, key=lambda e: (e.tokens_per_s, -e.tp), default=None)

@@ -1,0 +1,168 @@
+"""Throughput-optimal placement of one model over one node multiset (paper Sec. 4.2).
+
+Input: for each pipeline-stage count S, a table `tables[S][k, j-1]` = T̂_j of node (or GPU
+process) k holding j layers under the per-stage budget SLO/S. Nodes sharing a stage split its load
+(data parallelism), so a stage's throughput is the sum of its members' T̂ at its layer count.
+
+Two exact methods that must agree (a property test checks it):
+
+- `place_fast`: for a set partition P of the nodes into S stages, a group G with T̂ non-increasing
+  in j can hold J(G, T) = #{j : g(G, j) >= T} layers at throughput T, where g(G, j) is the group's
+  summed T̂. P reaches T iff sum_G J(G, T) >= L and every J >= 1, so the best T of P is
+  min(L-th largest value of the union of g(G, .) over G in P, min_G g(G, 1)). Computed for every
+  partition at once with numpy; identical nodes are deduplicated so symmetric partitions are
+  evaluated once.
+- `place_ilp`: the paper's ILP per S (x[s,j], y[s,k], z[s,j,k] linearised) with OR-Tools SCIP.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+from ortools.linear_solver import pywraplp
+
+Tables = dict[int, np.ndarray]  # S -> array (n nodes, L layers)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stages as tuples of node indices, layers per stage, and the throughput reached."""
+
+    throughput: float
+    stages: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+
+
+@cache
+def set_partitions(labels: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Set partitions of positions 0..n-1, deduplicated for positions with equal labels.
+
+    Returns S -> int array (partitions, S) of block bitmasks. Equal labels mean identical nodes,
+    so two partitions that map onto each other by swapping identical nodes are kept once.
+    """
+    n = len(labels)
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    out: dict[int, list[list[int]]] = {}
+
+    def rec(i: int, blocks: list[list[int]]) -> None:
+        if i == n:
+            canon = tuple(sorted(tuple(sorted(labels[p] for p in b)) for b in blocks))
+            if canon not in seen:
+                seen.add(canon)
+                out.setdefault(len(blocks), []).append([sum(1 << p for p in b) for b in blocks])
+            return
+        for b in blocks:
+            b.append(i)
+            rec(i + 1, blocks)
+            b.pop()
+        blocks.append([i])
+        rec(i + 1, blocks)
+        blocks.pop()
+
+    rec(0, [])
+    return {s: np.array(parts, dtype=np.int64) for s, parts in sorted(out.items())}
+
+
+@cache
+def _mask_matrix(n: int) -> np.ndarray:
+    """(2^n, n) 0/1 matrix: row m has ones at the members of bitmask m."""
+    return np.array([[(m >> k) & 1 for k in range(n)] for m in range(1 << n)], dtype=np.float64)
+
+
+def _monotone(table: np.ndarray) -> np.ndarray:
+    """Force T̂ non-increasing in j (a stage may always use the throughput of more layers)."""
+    return np.minimum.accumulate(table, axis=-1)
+
+
+def place_fast(
+    tables: Tables, n_layers: int, labels: tuple[int, ...], stage_counts: list[int] | None = None
+) -> Placement | None:
+    """Best placement over the given stage counts (default 1..n); None if nothing fits."""
+    n = len(labels)
+    parts = set_partitions(labels)
+    best: Placement | None = None
+    for s in stage_counts or list(range(1, n + 1)):
+        if s not in parts or s not in tables or s > n_layers:
+            continue
+        g = _mask_matrix(n) @ _monotone(tables[s])  # (2^n, L) summed T̂ of every node group
+        masks = parts[s]  # (P, s)
+        stacked = g[masks]  # (P, s, L)
+        flat = stacked.reshape(len(masks), -1)
+        lth = -np.partition(-flat, n_layers - 1, axis=1)[:, n_layers - 1]
+        value = np.minimum(lth, stacked[:, :, 0].min(axis=1))
+        i = int(np.argmax(value))
+        t = float(value[i])
+        if t > 0 and (best is None or t > best.throughput * (1 + 1e-12)):
+            best = _recover(g, masks[i], t, n_layers)
+    return best
+
+
+def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
+    """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
+    js = [int(np.sum(g[m] >= t * (1 - 1e-12))) for m in masks]
+    surplus = sum(js) - n_layers
+    while surplus > 0:
+        i = max(range(len(js)), key=lambda k: (js[k], -k))
+        js[i] -= 1
+        surplus -= 1
+    stages = tuple(tuple(k for k in range(64) if (int(m) >> k) & 1) for m in masks)
+    order = sorted(range(len(stages)), key=lambda i: stages[i])
+    achieved = min(float(g[masks[i], js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, tuple(stages[i] for i in order), tuple(js[i] for i in order))
+
+
+def place_ilp(
+    tables: Tables,
+    n_layers: int,
+    stage_counts: list[int] | None = None,
+    one_node_per_stage: bool = False,
+) -> Placement | None:
+    """The paper's placement ILP, solved once per S with SCIP; the best S wins."""
+    best: Placement | None = None
+    n = next(iter(tables.values())).shape[0]
+    for s in stage_counts or list(range(1, n + 1)):
+        if s not in tables or s > n_layers or (one_node_per_stage and s != n):
+            continue
+        result = _solve_ilp_for_s(_monotone(tables[s]), n_layers, s, one_node_per_stage)
+        if result and (best is None or result.throughput > best.throughput * (1 + 1e-9)):
+            best = result
+    return best
+
+
+def _solve_ilp_for_s(tab: np.ndarray, n_layers: int, s_count: int, one: bool) -> Placement | None:
+    n, big_l = tab.shape
+    solver = pywraplp.Solver.CreateSolver("SCIP")
+    stages, layers = range(s_count), range(1, big_l + 1)
+    x = {(s, j): solver.BoolVar(f"x[{s},{j}]") for s in stages for j in layers}
+    y = {(s, k): solver.BoolVar(f"y[{s},{k}]") for s in stages for k in range(n)}
+    z = {
+        (s, j, k): solver.NumVar(0, 1, f"z[{s},{j},{k}]")
+        for s in stages
+        for j in layers
+        for k in range(n)
+        if tab[k, j - 1] > 0
+    }
+    t = solver.NumVar(0, float(tab.sum()), "T")
+    for s in stages:
+        solver.Add(sum(x[s, j] for j in layers) == 1)  # one layer count per stage
+        if one:
+            solver.Add(sum(y[s, k] for k in range(n)) == 1)  # vLLM: one node per stage
+        # T <= sum over members k of T̂_j(k), through z = x * y
+        solver.Add(t <= sum(float(tab[k, j - 1]) * v for (ss, j, k), v in z.items() if ss == s))
+    for k in range(n):
+        solver.Add(sum(y[s, k] for s in stages) == 1)  # every node in exactly one stage
+    solver.Add(sum(j * x[s, j] for s in stages for j in layers) == n_layers)
+    for (s, j, k), v in z.items():
+        solver.Add(v <= x[s, j])
+        solver.Add(v <= y[s, k])
+    solver.Maximize(t)
+    if solver.Solve() != pywraplp.Solver.OPTIMAL or t.solution_value() <= 1e-9:
+        return None
+    members = [tuple(k for k in range(n) if y[s, k].solution_value() > 0.5) for s in stages]
+    js = [next(j for j in layers if x[s, j].solution_value() > 0.5) for s in stages]
+    order = sorted(range(s_count), key=lambda i: members[i])
+    return Placement(
+        t.solution_value(), tuple(members[i] for i in order), tuple(js[i] for i in order)
+    )
