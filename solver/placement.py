@@ -99,14 +99,18 @@ def place_fast(
     return best
 
 
-def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
-    """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
-    js = [int(np.sum(g[m] >= t * (1 - 1e-12))) for m in masks]
-    surplus = sum(js) - n_layers
-    while surplus > 0:
+def trim_surplus(js: list[int], n_layers: int) -> list[int]:
+    """Layer counts summing to n_layers: the surplus comes off the largest stages first."""
+    js = list(js)
+    for _ in range(sum(js) - n_layers):
         i = max(range(len(js)), key=lambda k: (js[k], -k))
         js[i] -= 1
-        surplus -= 1
+    return js
+
+
+def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
+    """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
+    js = trim_surplus([int(np.sum(g[m] >= t * (1 - 1e-12))) for m in masks], n_layers)
     stages = tuple(tuple(k for k in range(64) if (int(m) >> k) & 1) for m in masks)
     order = sorted(range(len(stages)), key=lambda i: stages[i])
     achieved = min(float(g[masks[i], js[i] - 1]) for i in range(len(js)))

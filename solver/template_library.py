@@ -29,7 +29,8 @@ import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from solver.catalog import Catalog
-from solver.placement import Placement, place_fast
+from solver.perf import valid_tp_degrees
+from solver.placement import Placement, place_fast, trim_surplus
 from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode, ModelSpec
 
@@ -200,12 +201,7 @@ def _chain(table: np.ndarray, n_layers: int) -> Placement | None:
     t = float(min(flat[n_layers - 1], mono[:, 0].min()))
     if t <= 0:
         return None
-    js = [int(np.sum(r >= t * (1 - 1e-12))) for r in mono]
-    surplus = sum(js) - n_layers
-    while surplus > 0:
-        i = max(range(len(js)), key=lambda k: (js[k], -k))
-        js[i] -= 1
-        surplus -= 1
+    js = trim_surplus([int(np.sum(r >= t * (1 - 1e-12))) for r in mono], n_layers)
     achieved = min(float(mono[i, js[i] - 1]) for i in range(len(js)))
     return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))
 
@@ -213,8 +209,6 @@ def _chain(table: np.ndarray, n_layers: int) -> Placement | None:
 def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> ServingTemplate | None:
     """One stage per node, all at the largest TP degree the (uniform) node size allows."""
     card = rows.perf.card(rows.model)
-    from solver.perf import valid_tp_degrees
-
     g = rows.perf.catalog.node(nodes[0]).gpu_count
     tp = max(valid_tp_degrees(card, g))
     table = np.stack([rows.row(n, len(nodes), tp) for n in nodes])
