@@ -348,7 +348,13 @@ def templates_build(
     stack: Annotated[str, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Library folder to write.")],
     mode: Annotated[str | None, typer.Option(help="vllm or general (overrides the stack).")] = None,
-    workers: Annotated[int, typer.Option(help="Local worker processes.")] = 2,
+    workers: Annotated[int, typer.Option(help="Worker processes (or Ray actors).")] = 2,
+    executor: Annotated[
+        str, typer.Option(help="process (local worker processes) or ray.")
+    ] = "process",
+    ray_address: Annotated[
+        str | None, typer.Option(help="Ray cluster address (default: start a local Ray).")
+    ] = None,
     phase: Annotated[
         list[str] | None, typer.Option(help="Phases to build (default: prefill and decode).")
     ] = None,
@@ -358,7 +364,7 @@ def templates_build(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 
     from solver.defaults import load_perf_model
-    from solver.library import build_library, save_library
+    from solver.library import build_libraries, save_library
     from solver.template_library import available_node_configs
 
     fleet = _fleet(stack, mode)
@@ -370,6 +376,10 @@ def templates_build(
             raise InputError(
                 "--phase", f"unknown phase '{ph}'", "use prefill, decode or aggregated"
             )
+    if executor not in ("process", "ray"):
+        from solver.errors import InputError
+
+        raise InputError("--executor", f"unknown executor '{executor}'", "use process or ray")
     pm = load_perf_model(measured)
     _, unsold = available_node_configs(fleet, pm.catalog)
     if unsold:
@@ -379,6 +389,7 @@ def templates_build(
     table = Table(title=f"Serving-template library: {stack}, mode {fleet.library.mode}")
     for col in ("model", "phase", "enumerated", "feasible", "dominated", "kept", "seconds"):
         table.add_column(col, justify="left" if col in ("model", "phase") else "right")
+    jobs = [(m, ph) for m in fleet.models for ph in phases]
     with Progress(
         "{task.description}",
         BarColumn(),
@@ -387,28 +398,28 @@ def templates_build(
         console=err,
         transient=True,
     ) as bar:
-        for model in fleet.models:
-            for ph in phases:
-                task = bar.add_task(f"{model} {ph}", total=None)
-                lib = build_library(
-                    pm,
-                    fleet,
-                    model,
-                    ph,
-                    workers,  # type: ignore[arg-type]
-                    lambda d, t, task=task: bar.update(task, completed=d, total=t),
-                )
-                save_library(lib, out_dir)
-                s = lib.stats
-                table.add_row(
-                    model,
-                    ph,
-                    str(s.enumerated),
-                    str(s.feasible),
-                    str(s.dominated),
-                    str(s.kept),
-                    f"{s.build_seconds:.1f}",
-                )
+        tasks = {job: bar.add_task(f"{job[0]} {job[1]}", total=None) for job in jobs}
+        libs = build_libraries(
+            pm,
+            fleet,
+            jobs,  # type: ignore[arg-type]
+            workers,
+            lambda job, d, t: bar.update(tasks[job], completed=d, total=t),
+            executor,  # type: ignore[arg-type]
+            ray_address,
+        )
+    for lib in libs:
+        save_library(lib, out_dir)
+        s = lib.stats
+        table.add_row(
+            lib.model,
+            lib.phase,
+            str(s.enumerated),
+            str(s.feasible),
+            str(s.dominated),
+            str(s.kept),
+            f"{s.build_seconds:.1f}",
+        )
     err.print(table)
     err.print(f"Wrote {out_dir}")
 
@@ -441,10 +452,11 @@ def templates_show(
     for f in files:
         lib = Library.model_validate_json(f.read_text(encoding="utf-8"))
         for t in lib.templates:
-            price = _cheapest_region_price(cat, t.nodes, lib.node_configs)
+            price = cat.cheapest_region(t.nodes)
             if price is None:
-                continue
-            region, usd = price
+                continue  # no single region sells all its nodes
+            (cloud, region_name), usd = price
+            region = f"{cloud}:{region_name}"
             rows.append(
                 {
                     "key": t.key,
@@ -480,21 +492,3 @@ def templates_show(
             f"{r['tokens_per_s_per_usd']:,.1f}",
         )
     out.print(table)
-
-
-def _cheapest_region_price(
-    cat: Any, nodes: list[str], allowed: list[str]
-) -> tuple[str, float] | None:
-    """($/hour, region) of the cheapest region that offers every node of the template."""
-    best = None
-    for cloud, region in cat.regions:
-        prices = {
-            o.node: o.price_usd_per_hour
-            for o in cat.offers
-            if (o.cloud, o.region) == (cloud, region)
-        }
-        if all(n in prices for n in nodes):
-            total = sum(prices[n] for n in nodes)
-            if best is None or total < best[1]:
-                best = (f"{cloud}:{region}", total)
-    return best

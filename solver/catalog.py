@@ -185,6 +185,31 @@ class Catalog(BaseModel):
         """(cloud, region) pairs with at least one offer, sorted."""
         return sorted({(o.cloud, o.region) for o in self.offers})
 
+    @cached_property
+    def prices(self) -> dict[tuple[str, str], dict[NodeId, float]]:
+        """(cloud, region) -> node config -> $/hour of its offer there."""
+        out: dict[tuple[str, str], dict[NodeId, float]] = {}
+        for o in self.offers:
+            out.setdefault((o.cloud, o.region), {})[o.node] = o.price_usd_per_hour
+        return dict(sorted(out.items()))
+
+    def cheapest_region(
+        self, nodes: list[NodeId], regions: list[tuple[str, str]] | None = None
+    ) -> tuple[tuple[str, str], float] | None:
+        """The cheapest (cloud, region) offering every node, with the nodes' total $/hour.
+
+        Only `regions` are considered when given; None when no region offers them all.
+        """
+        best: tuple[tuple[str, str], float] | None = None
+        for where, offered in self.prices.items():
+            if regions is not None and where not in regions:
+                continue
+            if all(n in offered for n in nodes):
+                total = sum(offered[n] for n in nodes)
+                if best is None or total < best[1]:
+                    best = (where, total)
+        return best
+
 
 def load_catalog(gpus_path: Path | None = None, offers_path: Path | None = None) -> Catalog:
     """Load the shipped catalog (or the given files)."""

@@ -9,9 +9,10 @@ caller asks for a rebuild: a stale library is never used silently.
 from __future__ import annotations
 
 import hashlib
+import importlib
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any, Literal
@@ -23,17 +24,18 @@ from solver.perf import PERF_MODEL_VERSION
 from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode
 from solver.template_library import (
+    Candidate,
     LibPhase,
     RowSource,
     ServingTemplate,
     available_node_configs,
+    best_candidate,
     enumerate_multisets,
-    place_multiset,
     prune_dominated,
+    to_template,
 )
 
 LIBRARY_FORMAT = 1
-Progress = Callable[[int], None]
 
 
 class LibraryStats(BaseModel):
@@ -42,7 +44,8 @@ class LibraryStats(BaseModel):
     feasible: int = Field(description="Multisets with a placement meeting the SLO.")
     dominated: int = Field(description="Dropped: a sub-multiset delivers at least as much.")
     kept: int
-    build_seconds: float
+    # Wall time is reported by the build but not saved: same inputs must give the same file.
+    build_seconds: float = Field(default=0.0, exclude=True)
 
 
 class Library(BaseModel):
@@ -112,75 +115,161 @@ def input_hashes(
     }
 
 
-# Worker state: set once per process by the pool initializer (avoids re-sending the model).
-_WORKER: dict[str, Any] = {}
+Executor = Literal["process", "ray"]
+Job = tuple[str, LibPhase]  # (model, phase)
+CHUNK = 256  # multisets per task: large enough to amortise dispatch, small for a live bar
 
 
-def _init_worker(perf: PerfModel, model: str, phase: LibPhase, spec: Any, mode: Mode) -> None:
-    _WORKER["rows"] = RowSource(perf, model, phase, spec)
-    _WORKER["mode"] = mode
+class _Placer:
+    """Places chunks of multisets; one per worker process or Ray actor, caching T̂ rows."""
+
+    def __init__(self, perf: PerfModel, fleet: FleetConfig) -> None:
+        self.perf, self.fleet = perf, fleet
+        self.nodes, _ = available_node_configs(fleet, perf.catalog)
+        self.rows: dict[Job, RowSource] = {}
+
+    def place(self, job: Job, chunk: list[tuple[str, ...]]) -> list[Candidate]:
+        if job not in self.rows:
+            model, phase = job
+            self.rows[job] = RowSource(
+                self.perf, model, phase, self.fleet.models[model], self.nodes
+            )
+        rows, mode = self.rows[job], self.fleet.library.mode
+        return [c for ms in chunk if (c := best_candidate(rows, ms, mode)) is not None]
 
 
-def _place_chunk(chunk: list[tuple[str, ...]]) -> list[ServingTemplate]:
-    rows, mode = _WORKER["rows"], _WORKER["mode"]
-    return [t for ms in chunk if (t := place_multiset(rows, ms, mode)) is not None]
+_PLACER: list[_Placer] = []  # the worker process's placer, set by the pool initializer
+
+
+def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
+    _PLACER[:] = [_Placer(perf, fleet)]
+
+
+def _place_in_process(job: Job, chunk: list[tuple[str, ...]]) -> list[Candidate]:
+    return _PLACER[0].place(job, chunk)
+
+
+def _run_tasks(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    tasks: list[tuple[Job, list[tuple[str, ...]]]],
+    workers: int,
+    executor: Executor,
+    ray_address: str | None,
+) -> Iterator[list[Candidate]]:
+    """Results of every task, in task order, from the chosen executor."""
+    if executor == "ray":
+        yield from _run_on_ray(perf, fleet, tasks, workers, ray_address)
+    elif workers <= 1:
+        placer = _Placer(perf, fleet)
+        yield from (placer.place(job, chunk) for job, chunk in tasks)
+    else:
+        with ProcessPoolExecutor(
+            workers, initializer=_init_process, initargs=(perf, fleet)
+        ) as pool:
+            yield from pool.map(_place_in_process, *zip(*tasks, strict=True))
+
+
+def _run_on_ray(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    tasks: list[tuple[Job, list[tuple[str, ...]]]],
+    workers: int,
+    address: str | None,
+) -> Iterator[list[Candidate]]:
+    """One Ray actor per worker (each caches its T̂ rows), tasks spread by `ActorPool`."""
+    try:  # optional extra; typed as Any so type checks pass with or without it installed
+        ray: Any = importlib.import_module("ray")
+        actor_pool: Any = importlib.import_module("ray.util").ActorPool
+    except ImportError as e:
+        raise InputError(
+            "--executor", "ray is not installed", "pip install -e '.[ray]' (or use process)"
+        ) from e
+    started_here = not ray.is_initialized()
+    if started_here:
+        ray.init(address=address, num_cpus=None if address else workers, log_to_driver=False)
+    try:
+        n_actors = workers if not address else max(1, int(ray.cluster_resources().get("CPU", 1)))
+        actor = ray.remote(num_cpus=1)(_Placer)
+        pool = actor_pool([actor.remote(perf, fleet) for _ in range(n_actors)])
+        yield from pool.map(lambda a, t: a.place.remote(*t), tasks)
+    finally:
+        if started_here:
+            ray.shutdown()
+
+
+def build_libraries(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    jobs: list[Job],
+    workers: int = 1,
+    progress: Callable[[Job, int, int], None] | None = None,
+    executor: Executor = "process",
+    ray_address: str | None = None,
+) -> list[Library]:
+    """Enumerate, place and prune every node multiset of each (model, phase) job.
+
+    All jobs share one pool of workers, so small libraries fill the gaps of large ones.
+    `progress(job, done, total)` is called as chunks of multisets finish.
+    """
+    settings = fleet.library
+    nodes, _ = available_node_configs(fleet, perf.catalog)
+    multisets: dict[Job, list[tuple[str, ...]]] = {}
+    for job in jobs:
+        weight = perf.card(job[0]).weight_bytes
+        multisets[job] = list(
+            enumerate_multisets(nodes, settings.n_max, settings.rho, weight, perf.catalog)
+        )
+    tasks = [
+        (job, ms[i : i + CHUNK]) for job, ms in multisets.items() for i in range(0, len(ms), CHUNK)
+    ]
+    found: dict[Job, list[Candidate]] = {job: [] for job in jobs}
+    done = dict.fromkeys(jobs, 0)
+    # Jobs run in task order on a shared pool: a job's time is from the previous job's end.
+    last_end = time.perf_counter()
+    elapsed: dict[Job, float] = {}
+    for (job, chunk), result in zip(
+        tasks, _run_tasks(perf, fleet, tasks, workers, executor, ray_address), strict=True
+    ):
+        found[job].extend(result)
+        done[job] += len(chunk)
+        if done[job] == len(multisets[job]):
+            now = time.perf_counter()
+            elapsed[job], last_end = now - last_end, now
+        if progress:
+            progress(job, done[job], len(multisets[job]))
+    libraries = []
+    for job in jobs:
+        model, phase = job
+        kept, dominated = prune_dominated(found[job])
+        rows = RowSource(perf, model, phase, fleet.models[model], nodes)
+        templates = sorted((to_template(rows, c) for c in kept), key=lambda t: t.key)
+        libraries.append(
+            Library(
+                model=model,
+                phase=phase,
+                mode=settings.mode,
+                slo_ms=_slo_of(fleet, model, phase),
+                input_hashes=input_hashes(perf, fleet, model, phase),
+                node_configs=nodes,
+                stats=LibraryStats(
+                    enumerated=len(multisets[job]),
+                    feasible=len(found[job]),
+                    dominated=dominated,
+                    kept=len(kept),
+                    build_seconds=round(elapsed.get(job, 0.0), 3),
+                ),
+                templates=templates,
+            )
+        )
+    return libraries
 
 
 def build_library(
-    perf: PerfModel,
-    fleet: FleetConfig,
-    model: str,
-    phase: LibPhase,
-    workers: int = 1,
-    progress: Callable[[int, int], None] | None = None,
+    perf: PerfModel, fleet: FleetConfig, model: str, phase: LibPhase, workers: int = 1
 ) -> Library:
-    """Enumerate, place and prune every node multiset of one (model, phase) for this stack."""
-    start = time.perf_counter()
-    spec, settings = fleet.models[model], fleet.library
-    nodes, _ = available_node_configs(fleet, perf.catalog)
-    multisets = list(
-        enumerate_multisets(
-            nodes, settings.n_max, settings.rho, perf.card(model).weight_bytes, perf.catalog
-        )
-    )
-    chunks = [multisets[i : i + 256] for i in range(0, len(multisets), 256)]
-    found: list[ServingTemplate] = []
-    done = 0
-    if workers <= 1:
-        _init_worker(perf, model, phase, spec, settings.mode)
-        results = map(_place_chunk, chunks)
-        for chunk, res in zip(chunks, results, strict=True):
-            found.extend(res)
-            done += len(chunk)
-            if progress:
-                progress(done, len(multisets))
-    else:
-        with ProcessPoolExecutor(
-            workers, initializer=_init_worker, initargs=(perf, model, phase, spec, settings.mode)
-        ) as pool:
-            for chunk, res in zip(chunks, pool.map(_place_chunk, chunks), strict=True):
-                found.extend(res)
-                done += len(chunk)
-                if progress:
-                    progress(done, len(multisets))
-    kept, dominated = prune_dominated(found)
-    kept.sort(key=lambda t: t.key)
-    return Library(
-        model=model,
-        phase=phase,
-        mode=settings.mode,
-        slo_ms=_slo_of(fleet, model, phase),
-        input_hashes=input_hashes(perf, fleet, model, phase),
-        node_configs=nodes,
-        stats=LibraryStats(
-            enumerated=len(multisets),
-            feasible=len(found),
-            dominated=dominated,
-            kept=len(kept),
-            build_seconds=round(time.perf_counter() - start, 3),
-        ),
-        templates=kept,
-    )
+    """One (model, phase) library; see `build_libraries`."""
+    return build_libraries(perf, fleet, [(model, phase)], workers)[0]
 
 
 def _slo_of(fleet: FleetConfig, model: str, phase: LibPhase) -> dict[str, float]:
@@ -193,7 +282,7 @@ def _slo_of(fleet: FleetConfig, model: str, phase: LibPhase) -> dict[str, float]
 def save_library(lib: Library, directory: Path) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / lib.filename
-    path.write_text(lib.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    path.write_text(lib.model_dump_json() + "\n", encoding="utf-8")  # compact: files get large
     return path
 
 

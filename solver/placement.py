@@ -82,7 +82,7 @@ def place_fast(
     """Best placement over the given stage counts (default 1..n); None if nothing fits."""
     n = len(labels)
     parts = set_partitions(labels)
-    best: Placement | None = None
+    best: tuple[float, np.ndarray, np.ndarray] | None = None  # (T, group table, block masks)
     for s in stage_counts or list(range(1, n + 1)):
         if s not in parts or s not in tables or s > n_layers:
             continue
@@ -94,27 +94,60 @@ def place_fast(
         value = np.minimum(lth, stacked[:, :, 0].min(axis=1))
         i = int(np.argmax(value))
         t = float(value[i])
-        if t > 0 and (best is None or t > best.throughput * (1 + 1e-12)):
-            best = _recover(g, masks[i], t, n_layers)
-    return best
+        if t > 0 and (best is None or t > best[0] * (1 + 1e-12)):
+            best = (t, g, masks[i])
+    return None if best is None else _recover(best[1], best[2], best[0], n_layers)
+
+
+def layers_at(table: np.ndarray, t: float) -> list[int]:
+    """Per row of a non-increasing table: how many layers it can hold at throughput t."""
+    return [int(c) for c in (table >= t * (1 - 1e-12)).sum(axis=1)]
 
 
 def trim_surplus(js: list[int], n_layers: int) -> list[int]:
-    """Layer counts summing to n_layers: the surplus comes off the largest stages first."""
-    js = list(js)
-    for _ in range(sum(js) - n_layers):
-        i = max(range(len(js)), key=lambda k: (js[k], -k))
-        js[i] -= 1
-    return js
+    """Layer counts summing to n_layers: the surplus comes off the largest stages first.
+
+    Same result as taking one layer at a time off the largest stage (lowest index on ties), in
+    closed form: cap every stage at the lowest level h that still holds n_layers, then take the
+    remaining surplus off the stages at h, lowest index first.
+    """
+    if sum(js) <= n_layers:
+        return list(js)
+    arr = np.asarray(js, dtype=np.int64)
+    lo, hi = 1, int(arr.max())
+    while lo < hi:  # smallest h with sum(min(js, h)) >= n_layers
+        mid = (lo + hi) // 2
+        if int(np.minimum(arr, mid).sum()) >= n_layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    capped = np.minimum(arr, lo)
+    extra = int(capped.sum()) - n_layers
+    capped[np.flatnonzero(capped == lo)[:extra]] -= 1
+    return [int(v) for v in capped]
 
 
 def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
     """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
-    js = trim_surplus([int(np.sum(g[m] >= t * (1 - 1e-12))) for m in masks], n_layers)
+    js = trim_surplus(layers_at(g[masks], t), n_layers)
     stages = tuple(tuple(k for k in range(64) if (int(m) >> k) & 1) for m in masks)
     order = sorted(range(len(stages)), key=lambda i: stages[i])
     achieved = min(float(g[masks[i], js[i] - 1]) for i in range(len(js)))
     return Placement(achieved, tuple(stages[i] for i in order), tuple(js[i] for i in order))
+
+
+def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:
+    """One stage per row, in row order (vLLM's pipeline): T = min(L-th largest, each T̂_1)."""
+    if table.shape[0] > n_layers:
+        return None
+    mono = _monotone(table)
+    lth = float(-np.partition(-mono.ravel(), n_layers - 1)[n_layers - 1])
+    t = min(lth, float(mono[:, 0].min()))
+    if t <= 0:
+        return None
+    js = trim_surplus(layers_at(mono, t), n_layers)
+    achieved = min(float(mono[i, js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))
 
 
 def place_ilp(
@@ -157,6 +190,11 @@ def _solve_ilp_for_s(tab: np.ndarray, n_layers: int, s_count: int, one: bool) ->
         solver.Add(t <= sum(float(tab[k, j - 1]) * v for (ss, j, k), v in z.items() if ss == s))
     for k in range(n):
         solver.Add(sum(y[s, k] for s in stages) == 1)  # every node in exactly one stage
+        # Symmetry breaking: T ignores stage order, so number the stages by their lowest node;
+        # then node k can only sit in stages 0..k.
+        for s in stages:
+            if s > k:
+                solver.Add(y[s, k] == 0)
     solver.Add(sum(j * x[s, j] for s in stages for j in layers) == n_layers)
     for (s, j, k), v in z.items():
         solver.Add(v <= x[s, j])

@@ -21,16 +21,16 @@ per-stage budgets SLO_phase / S met.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Protocol, TypeVar
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
 from solver.catalog import Catalog
 from solver.perf import valid_tp_degrees
-from solver.placement import Placement, place_fast, trim_surplus
+from solver.placement import Placement, place_chain, place_fast
 from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode, ModelSpec
 
@@ -114,16 +114,40 @@ class RowSource:
     model: str
     phase: LibPhase
     spec: ModelSpec
+    node_names: list[str] | None = None  # node configs to tabulate; default: the catalog's
 
     def __post_init__(self) -> None:
         self._cache: dict[tuple[str, int, int | None], np.ndarray] = {}
         self._tps: dict[tuple[str, int], np.ndarray] = {}
+        self._chains: dict[tuple[str, ...], Placement | None] = {}
         self.layers = self.perf.card(self.model).layers
+        self._matrix: dict[int, np.ndarray] = {}  # S -> rows of every node config
+        self._names = sorted(self.node_names or self.perf.catalog.node_configs)
+        self._index = {n: i for i, n in enumerate(self._names)}
 
     def chosen_tp(self, node: str, stages: int, layers: int) -> int:
         """TP degree the node's T̂ entry at `layers` uses (prefill's, for aggregated)."""
         self.row(node, stages)
         return int(self._tps[(node, stages)][layers - 1])
+
+    def chain_over_gpus(self, gpus: tuple[str, ...]) -> Placement | None:
+        """vLLM chain with one TP=1 process per GPU (GPU types in pipeline order), cached:
+        many multisets share one GPU sequence (l40sx2 + l40sx1 runs like l40sx1 * 3)."""
+        if gpus not in self._chains:
+            table = np.stack([self.row(f"{g}x1", len(gpus), 1) for g in gpus])
+            self._chains[gpus] = place_chain(table, self.layers)
+        return self._chains[gpus]
+
+    def rows_for(self, nodes: tuple[str, ...], stages: int) -> np.ndarray:
+        """(len(nodes), L) table of the nodes' T̂ rows at `stages` stages, best TP each."""
+        for n in nodes:
+            if n not in self._index:  # a node outside `node_names`: tabulate it too
+                self._index[n] = len(self._names)
+                self._names.append(n)
+                self._matrix.clear()
+        if stages not in self._matrix:
+            self._matrix[stages] = np.stack([self.row(n, stages) for n in self._names])
+        return self._matrix[stages][[self._index[n] for n in nodes]]
 
     def row(self, node: str, stages: int, tp: int | None = None) -> np.ndarray:
         key = (node, stages, tp)
@@ -156,7 +180,29 @@ class RowSource:
             return np.where((pre > 0) & (dec > 0), 1.0 / (p / pre + o / dec), 0.0)
 
 
-def place_multiset(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> ServingTemplate | None:
+Layout = Literal["general", "per_gpu", "per_node"]
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A placed multiset before it becomes a `ServingTemplate` (cheap to pickle and prune).
+
+    `procs` lists, in pipeline order within each stage, the processes as (node index, GPU
+    indices, TP size); `placement.stages` index into it.
+    """
+
+    nodes: tuple[str, ...]
+    layout: Layout
+    mode: Mode
+    placement: Placement
+    procs: tuple[tuple[int, tuple[int, ...], int], ...]
+
+    @property
+    def throughput(self) -> float:
+        return self.placement.throughput
+
+
+def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candidate | None:
     """Best placement of one multiset under the mode; None when nothing fits the budgets."""
     if mode == "general":
         # The paper's space; vLLM's chains are runnable too, so general includes them.
@@ -169,84 +215,82 @@ def place_multiset(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Servi
     if len(counts) == 1 and mode == "vllm":
         candidates.append(_vllm_per_node(rows, nodes))
     found = [c for c in candidates if c is not None]
-    return max(found, key=lambda t: t.throughput, default=None)
+    return max(found, key=lambda c: c.throughput, default=None)
 
 
-def _general(rows: RowSource, nodes: tuple[str, ...]) -> ServingTemplate | None:
+def place_multiset(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> ServingTemplate | None:
+    """`best_candidate` as a full template."""
+    cand = best_candidate(rows, nodes, mode)
+    return None if cand is None else to_template(rows, cand)
+
+
+def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     labels = tuple(sorted(set(nodes)).index(n) for n in nodes)
-    tables = {s: np.stack([rows.row(n, s) for n in nodes]) for s in range(1, len(nodes) + 1)}
+    tables = {s: rows.rows_for(nodes, s) for s in range(1, len(nodes) + 1)}
     placement = place_fast(tables, rows.layers, labels)
     if placement is None:
         return None
-    stages = [
-        Stage(layers=j, members=[_whole_node(rows, nodes[k], k, len(members), j) for k in members])
+    # Every node serves its stage whole, at the TP degree its profile entry chose.
+    tps = {
+        k: rows.chosen_tp(nodes[k], len(placement.stages), j)
         for members, j in zip(placement.stages, placement.layers, strict=True)
-    ]
-    return _template(rows, nodes, stages, placement, "general")
+        for k in members
+    }
+    procs = tuple(
+        (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
+    )
+    return Candidate(nodes, "general", "general", placement, procs)
 
 
-def _whole_node(rows: RowSource, node: str, index: int, s_count: int, layers: int) -> StageMember:
-    """A node serving a stage at the TP degree its profile entry chose."""
-    cfg = rows.perf.catalog.node(node)
-    tp = rows.chosen_tp(node, s_count, layers)
-    return StageMember(node=index, gpus=list(range(cfg.gpu_count)), tp=tp)
-
-
-def _chain(table: np.ndarray, n_layers: int) -> Placement | None:
-    """One stage per row: T = min(L-th largest over all rows, each row's T̂_1)."""
-    if table.shape[0] > n_layers:
-        return None
-    mono = np.minimum.accumulate(table, axis=1)
-    flat = np.sort(mono.ravel())[::-1]
-    t = float(min(flat[n_layers - 1], mono[:, 0].min()))
-    if t <= 0:
-        return None
-    js = trim_surplus([int(np.sum(r >= t * (1 - 1e-12))) for r in mono], n_layers)
-    achieved = min(float(mono[i, js[i] - 1]) for i in range(len(js)))
-    return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))
-
-
-def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> ServingTemplate | None:
+def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     """One stage per node, all at the largest TP degree the (uniform) node size allows."""
     card = rows.perf.card(rows.model)
     g = rows.perf.catalog.node(nodes[0]).gpu_count
     tp = max(valid_tp_degrees(card, g))
     table = np.stack([rows.row(n, len(nodes), tp) for n in nodes])
-    placement = _chain(table, rows.layers)
+    placement = place_chain(table, rows.layers)
     if placement is None:
         return None
-    stages = [
-        Stage(layers=j, members=[StageMember(node=k, gpus=list(range(tp)), tp=tp)])
-        for (k,), j in zip(placement.stages, placement.layers, strict=True)
-    ]
-    return _template(rows, nodes, stages, placement, "vllm")
+    procs = tuple((k, tuple(range(tp)), tp) for k in range(len(nodes)))
+    return Candidate(nodes, "per_node", "vllm", placement, procs)
 
 
 def _vllm_per_gpu(
     rows: RowSource, nodes: tuple[str, ...], decode_pp1: bool = True
-) -> ServingTemplate | None:
-    """One vLLM process per GPU (TP=1), each its own pipeline stage, in node order."""
-    procs = [
-        (k, g) for k, n in enumerate(nodes) for g in range(rows.perf.catalog.node(n).gpu_count)
-    ]
-    s = len(procs)
-    if decode_pp1 and rows.phase == "decode" and s > 1:
+) -> Candidate | None:
+    """One vLLM process per GPU (TP=1), each its own pipeline stage.
+
+    Pipeline order: by GPU type, then node, then GPU. A node's GPUs stay adjacent, and every
+    multiset with the same GPUs shares one cached chain (the model does not price the order).
+    """
+    cfgs = [rows.perf.catalog.node(n) for n in nodes]
+    procs = tuple(
+        sorted(
+            ((k, (g,), 1) for k, c in enumerate(cfgs) for g in range(c.gpu_count)),
+            key=lambda p: (cfgs[p[0]].gpu_id, p[0], p[1]),
+        )
+    )
+    if decode_pp1 and rows.phase == "decode" and len(procs) > 1:
         return None
-    gpu_node = {n: f"{rows.perf.catalog.node(n).gpu_id}x1" for n in nodes}
-    table = np.stack([rows.row(gpu_node[nodes[k]], s, 1) for k, _ in procs])
-    placement = _chain(table, rows.layers)
+    gpus = tuple(cfgs[k].gpu_id for k, _, _ in procs)
+    placement = rows.chain_over_gpus(gpus)
     if placement is None:
         return None
+    return Candidate(nodes, "per_gpu", "vllm" if decode_pp1 else "general", placement, procs)
+
+
+def to_template(rows: RowSource, cand: Candidate) -> ServingTemplate:
+    """The full template of a candidate: stages with their processes, budgets, key."""
     stages = [
-        Stage(layers=j, members=[StageMember(node=procs[i][0], gpus=[procs[i][1]], tp=1)])
-        for (i,), j in zip(placement.stages, placement.layers, strict=True)
+        Stage(
+            layers=j,
+            members=[
+                StageMember(node=cand.procs[i][0], gpus=list(cand.procs[i][1]), tp=cand.procs[i][2])
+                for i in members
+            ],
+        )
+        for members, j in zip(cand.placement.stages, cand.placement.layers, strict=True)
     ]
-    return _template(rows, nodes, stages, placement, "vllm" if decode_pp1 else "general")
-
-
-def _template(
-    rows: RowSource, nodes: tuple[str, ...], stages: list[Stage], placement: Placement, mode: Mode
-) -> ServingTemplate:
     s = len(stages)
     slo = rows.spec.slo_ms
     budgets = {
@@ -255,39 +299,49 @@ def _template(
         "aggregated": [slo.prefill / s, slo.decode / s],
     }[rows.phase]
     return ServingTemplate(
-        key=template_key(nodes),
+        key=template_key(cand.nodes),
         model=rows.model,
         phase=rows.phase,
-        mode=mode,
-        nodes=list(nodes),
+        mode=cand.mode,
+        nodes=list(cand.nodes),
         stages=stages,
-        throughput=round(placement.throughput, 6),
+        throughput=round(cand.throughput, 6),
         unit="requests/s" if rows.phase == "aggregated" else "tokens/s",
         stage_budget_ms=budgets,
     )
 
 
-def prune_dominated(templates: list[ServingTemplate]) -> tuple[list[ServingTemplate], int]:
-    """Drop a template when a template on a proper sub-multiset of its nodes delivers >= it."""
-    by_key = {tuple(sorted(t.nodes)): t.throughput for t in templates}
-    kept = []
-    for t in templates:
-        counts: dict[str, int] = {}
-        for n in t.nodes:
-            counts[n] = counts.get(n, 0) + 1
-        names = sorted(counts)
-        dominated = False
-        for sub in itertools.product(*(range(counts[n] + 1) for n in names)):
-            if sum(sub) in (0, len(t.nodes)):
-                continue
-            sub_nodes = tuple(
-                sorted(
-                    itertools.chain.from_iterable([n] * c for n, c in zip(names, sub, strict=True))
-                )
-            )
-            if by_key.get(sub_nodes, 0.0) >= t.throughput:
-                dominated = True
-                break
-        if not dominated:
-            kept.append(t)
-    return kept, len(templates) - len(kept)
+class _Placed(Protocol):
+    @property
+    def nodes(self) -> Sequence[str]: ...
+
+    @property
+    def throughput(self) -> float: ...
+
+
+P = TypeVar("P", bound=_Placed)
+
+
+def prune_dominated(placed: list[P]) -> tuple[list[P], int]:
+    """Drop an entry when one on a proper sub-multiset of its nodes delivers at least as much.
+
+    best_below(m) = the most any proper sub-multiset of m delivers, computed once per multiset
+    from its children (m minus one node), so each entry costs O(distinct node types).
+    """
+    value = {tuple(sorted(p.nodes)): p.throughput for p in placed}
+    below: dict[tuple[str, ...], float] = {}
+
+    def best_below(ms: tuple[str, ...]) -> float:
+        if ms not in below:
+            best = 0.0
+            for i, n in enumerate(ms):
+                if i and ms[i - 1] == n:
+                    continue  # removing another copy of the same node gives the same child
+                child = ms[:i] + ms[i + 1 :]
+                if child:
+                    best = max(best, value.get(child, 0.0), best_below(child))
+            below[ms] = best
+        return below[ms]
+
+    kept = [p for p in placed if best_below(tuple(sorted(p.nodes))) < p.throughput]
+    return kept, len(placed) - len(kept)

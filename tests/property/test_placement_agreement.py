@@ -7,8 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.placement import place_fast, place_ilp
-from solver.template_library import _chain
+from solver.placement import place_chain, place_fast, place_ilp
 
 
 @st.composite
@@ -54,7 +53,7 @@ def test_chain_matches_ilp_one_node_per_stage(inst):
     """vLLM mode: every node its own stage (S = nodes)."""
     tables, n_layers, labels = inst
     n = len(labels)
-    chain = _chain(tables[n], n_layers)
+    chain = place_chain(tables[n], n_layers)
     ilp = place_ilp(tables, n_layers, [n], one_node_per_stage=True)
     if chain is None or ilp is None:
         assert chain is None and ilp is None
@@ -74,10 +73,10 @@ def test_worked_example_general():
     assert fast.stages == ((0, 1),) and fast.layers == (4,)
 
 
-def test_worked_example_vllm_chain():
+def test_worked_example_vllmplace_chain():
     """vLLM chain over the same nodes at S=2 budgets: A: 45, 30, 20, 15; B: 25, 15, 10, 5.
     Splits (A,B): (3,1) -> min(20, 25) = 20; (2,2) -> 15; (1,3) -> 10. Optimum 20 at 3+1."""
     a = np.array([90.0, 60, 40, 30]) / 2
     b = np.array([50.0, 30, 20, 10]) / 2
-    chain = _chain(np.stack([a, b]), 4)
+    chain = place_chain(np.stack([a, b]), 4)
     assert chain.throughput == pytest.approx(20) and chain.layers == (3, 1)

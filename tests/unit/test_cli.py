@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -175,3 +176,55 @@ def test_calibrate_reports_every_file():
     r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--json")
     assert r.exit_code == 0, r.output
     assert len(json.loads(r.stdout)) == 12
+
+
+def test_templates_build_then_show_json(tmp_path, monkeypatch):
+    """`templates build` writes one file per model/phase; `show --json` ranks by tokens/s/$."""
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])  # stacks/ is relative to the project
+    out = tmp_path / "lib"
+    r = run("templates", "build", "--stack", "paper-core", "--out", str(out), "--workers", "1")
+    assert r.exit_code == 0, r.output
+    files = sorted(p.name for p in out.glob("*.json"))
+    assert len(files) == 6 and "qwen3-32b__prefill__1600ms__vllm.json" in files
+    r = run(
+        "templates",
+        "show",
+        "--library",
+        str(out),
+        "--model",
+        "qwen3-32b",
+        "--phase",
+        "prefill",
+        "--top",
+        "5",
+        "--json",
+    )
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert len(rows) == 5
+    for key in ("nodes", "stages", "tokens_per_s", "usd_per_hour", "tokens_per_s_per_usd"):
+        assert key in rows[0]
+    per_usd = [row["tokens_per_s_per_usd"] for row in rows]
+    assert per_usd == sorted(per_usd, reverse=True)
+    for row in rows:
+        assert row["tokens_per_s_per_usd"] == pytest.approx(
+            row["tokens_per_s"] / row["usd_per_hour"], rel=1e-3
+        )
+        assert sum(s["layers"] for s in row["stages"]) == 64  # Qwen3-32B's layers
+
+
+def test_templates_show_missing_library_names_the_fix(tmp_path):
+    r = run(
+        "templates", "show", "--library", str(tmp_path), "--model", "phi-4", "--phase", "decode"
+    )
+    assert r.exit_code == 1
+    assert "coral templates build" in r.output
+
+
+@pytest.mark.parametrize(
+    ("option", "value"), [("--mode", "fastest"), ("--executor", "dask"), ("--phase", "both")]
+)
+def test_templates_build_rejects_bad_options(tmp_path, monkeypatch, option, value):
+    monkeypatch.chdir(Path(__file__).resolve().parents[2])
+    r = run("templates", "build", "--stack", "paper-core", "--out", str(tmp_path), option, value)
+    assert r.exit_code == 1 and option in r.output and value in r.output

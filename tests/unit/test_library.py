@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from solver.errors import InputError
-from solver.library import build_library, load_library, save_library
+from solver.library import build_libraries, build_library, load_library, save_library
 from solver.stack import load_stack
 from solver.template_library import prune_dominated
 
@@ -23,7 +23,8 @@ def test_library_round_trip_and_stale_detection(perf, tmp_path):
         assert sum(s.layers for s in t.stages) == perf.card("gpt-oss-20b").layers
         assert len({m.tp for s in t.stages for m in s.members}) == 1  # vLLM: one TP size
     save_library(lib, tmp_path)
-    assert load_library(tmp_path, perf, fleet, "gpt-oss-20b", "prefill") == lib
+    loaded = load_library(tmp_path, perf, fleet, "gpt-oss-20b", "prefill")
+    assert loaded.model_dump() == lib.model_dump()  # wall time is not saved
     spec = fleet.models["gpt-oss-20b"]
     changed = fleet.model_copy(
         update={
@@ -45,3 +46,55 @@ def test_dominated_templates_are_dropped(perf):
         for i in range(len(nodes)):
             sub = nodes[:i] + nodes[i + 1 :]
             assert best.get(sub, 0.0) < tput
+
+
+def test_parallel_build_matches_serial_and_files_are_byte_identical(perf, tmp_path):
+    """Same inputs, same files: worker count changes nothing, and no wall time is saved."""
+    fleet = load_stack(STACKS, "paper-core")
+    jobs = [("phi-4", "prefill"), ("gpt-oss-20b", "decode")]
+    serial = build_libraries(perf, fleet, jobs, workers=1)
+    parallel = build_libraries(perf, fleet, jobs, workers=2)
+    assert [lib.model_dump() for lib in serial] == [lib.model_dump() for lib in parallel]
+    a, b = tmp_path / "a", tmp_path / "b"
+    for lib_s, lib_p in zip(serial, parallel, strict=True):
+        assert save_library(lib_s, a).read_bytes() == save_library(lib_p, b).read_bytes()
+
+
+def test_progress_reaches_every_job_total(perf):
+    fleet = load_stack(STACKS, "paper-core")
+    seen: dict[tuple[str, str], tuple[int, int]] = {}
+    libs = build_libraries(
+        perf,
+        fleet,
+        [("phi-4", "decode"), ("gpt-oss-20b", "prefill")],
+        progress=lambda job, done, total: seen.__setitem__(job, (done, total)),
+    )
+    for lib in libs:
+        assert seen[(lib.model, lib.phase)] == (lib.stats.enumerated, lib.stats.enumerated)
+
+
+def test_ray_executor_without_ray_names_the_extra(perf, monkeypatch):
+    """Without the ray extra, `--executor ray` says how to install it (ray hidden here)."""
+    import importlib
+
+    real = importlib.import_module
+
+    def hide_ray(name, package=None):
+        if name == "ray" or name.startswith("ray."):
+            raise ImportError(f"No module named '{name}'")
+        return real(name, package)
+
+    monkeypatch.setattr(importlib, "import_module", hide_ray)
+    fleet = load_stack(STACKS, "paper-core")
+    with pytest.raises(InputError, match=r"\.\[ray\]"):
+        build_libraries(perf, fleet, [("phi-4", "decode")], executor="ray")
+
+
+@pytest.mark.slow
+def test_ray_executor_matches_process_pool(perf):
+    """`--executor ray` on a local Ray instance gives the process pool's libraries."""
+    fleet = load_stack(STACKS, "paper-core")
+    jobs = [("qwen3-32b", "prefill"), ("phi-4", "decode")]
+    on_ray = build_libraries(perf, fleet, jobs, workers=2, executor="ray")
+    local = build_libraries(perf, fleet, jobs, workers=2)
+    assert [lib.model_dump() for lib in on_ray] == [lib.model_dump() for lib in local]

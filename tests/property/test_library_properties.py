@@ -1,0 +1,108 @@
+"""Invariants of the template library: layer trims, placements, and the aggregated phase."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solver.defaults import load_perf_model
+from solver.placement import trim_surplus
+from solver.stack import load_stack
+from solver.template_library import (
+    RowSource,
+    available_node_configs,
+    best_candidate,
+    to_template,
+)
+
+STACKS = Path(__file__).resolve().parents[2] / "stacks"
+CORE = load_stack(STACKS, "paper-core")
+# Module-level rather than the `perf` fixture: Hypothesis prints every argument on failure.
+PERF = load_perf_model()
+NODES, _ = available_node_configs(CORE, PERF.catalog)
+
+
+@cache
+def rows_of(model: str, phase: str) -> RowSource:
+    """One row source per (model, phase) for the whole module: T̂ rows are costly to build."""
+    return RowSource(PERF, model, phase, CORE.models[model], NODES)
+
+
+def _trim_one_at_a_time(js: list[int], n_layers: int) -> list[int]:
+    """The rule trim_surplus implements in closed form, stated step by step."""
+    js = list(js)
+    for _ in range(sum(js) - n_layers):
+        i = max(range(len(js)), key=lambda k: (js[k], -k))
+        js[i] -= 1
+    return js
+
+
+@given(st.lists(st.integers(1, 40), min_size=1, max_size=12), st.data())
+def test_trim_surplus_closed_form_matches_step_by_step(js, data):
+    n_layers = data.draw(st.integers(len(js), sum(js)))
+    trimmed = trim_surplus(js, n_layers)
+    assert trimmed == _trim_one_at_a_time(js, n_layers)
+    assert sum(trimmed) == n_layers and all(1 <= t <= j for t, j in zip(trimmed, js, strict=True))
+
+
+multisets = st.lists(st.sampled_from(NODES), min_size=1, max_size=4).map(
+    lambda ns: tuple(sorted(ns))
+)
+models = st.sampled_from(sorted(CORE.models))
+
+
+@settings(max_examples=200, deadline=None, derandomize=True)
+@given(
+    models, multisets, st.sampled_from(["vllm", "general"]), st.sampled_from(["prefill", "decode"])
+)
+def test_every_template_is_complete_and_runnable(model, nodes, mode, phase):
+    """Each layer served once, each node used, one TP size in vLLM mode, budgets per stage."""
+    perf, rows = PERF, rows_of(model, phase)
+    cand = best_candidate(rows, nodes, mode)
+    if cand is None:
+        return
+    t = to_template(rows, cand)
+    assert sum(s.layers for s in t.stages) == perf.card(model).layers
+    used = sorted({m.node for s in t.stages for m in s.members})
+    assert used == list(range(len(nodes)))
+    assert t.stage_budget_ms == [getattr(CORE.models[model].slo_ms, phase) / len(t.stages)]
+    gpus_used = [(m.node, g) for s in t.stages for m in s.members for g in m.gpus]
+    assert len(gpus_used) == len(set(gpus_used))  # no GPU serves two stages
+    if mode == "vllm":
+        assert len({m.tp for s in t.stages for m in s.members}) == 1
+        assert all(len(s.members) == 1 for s in t.stages)
+        if phase == "decode":
+            assert len(nodes) == 1  # NixlConnector: PP=1 on the decode side
+
+
+@settings(max_examples=100, deadline=None, derandomize=True)
+@given(models, multisets)
+def test_aggregated_rate_is_bounded_by_each_phase_alone(model, nodes):
+    """A replica serving both phases cannot beat either phase's own optimum per request."""
+    spec = CORE.models[model]
+    agg = best_candidate(rows_of(model, "aggregated"), nodes, "general")
+    if agg is None:
+        return
+    pre = best_candidate(rows_of(model, "prefill"), nodes, "general")
+    dec = best_candidate(rows_of(model, "decode"), nodes, "general")
+    assert pre is not None and dec is not None  # aggregated fits only where both phases do
+    assert agg.throughput <= pre.throughput / spec.mean_prompt_tokens * (1 + 1e-9)
+    assert agg.throughput <= dec.throughput / spec.mean_output_tokens * (1 + 1e-9)
+
+
+def test_aggregated_single_node_worked_example(perf):
+    """One node, one stage: rate = 1 / (P / T̂pre_L + O / T̂dec_L), in requests/s."""
+    spec = CORE.models["phi-4"]
+    rows = {ph: RowSource(perf, "phi-4", ph, spec) for ph in ("prefill", "decode", "aggregated")}
+    node, n_layers = "l40sx1", perf.card("phi-4").layers
+    pre = rows["prefill"].row(node, 1)[n_layers - 1]
+    dec = rows["decode"].row(node, 1)[n_layers - 1]
+    assert pre > 0 and dec > 0
+    expected = 1 / (spec.mean_prompt_tokens / pre + spec.mean_output_tokens / dec)
+    t = to_template(rows["aggregated"], best_candidate(rows["aggregated"], (node,), "vllm"))
+    assert t.unit == "requests/s" and t.throughput == pytest.approx(expected, rel=1e-6)
+    assert t.stage_budget_ms == [spec.slo_ms.prefill, spec.slo_ms.decode]
