@@ -4,19 +4,16 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
-import functools
-import json
 import sys
-from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import typer
 import yaml
-from rich.console import Console
 from rich.table import Table
 
-from solver.errors import CoralError
+from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.plan_cli import plan_app
 
 app = typer.Typer(
     help="Coral IaC: serve many LLMs on the cheapest mix of cloud GPUs.",
@@ -29,33 +26,9 @@ profile_app = typer.Typer(
 )
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(profile_app, name="profile")
+app.add_typer(plan_app, name="plan")
 
-err = Console(stderr=True)
-out = Console()
-F = TypeVar("F", bound=Callable[..., Any])
 DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
-
-
-class CoralCliError(typer.Exit):
-    """Exit code 1 after printing a domain error."""
-
-
-def reports_errors(fn: F) -> F:
-    """Turn CoralError into a clean message on stderr and exit code 1 (no traceback)."""
-
-    @functools.wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except CoralError as exc:
-            err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True)
-            raise typer.Exit(1) from None
-
-    return wrapper  # type: ignore[return-value]
-
-
-def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
 # ---------------------------------------------------------------- catalog
@@ -324,7 +297,6 @@ def main() -> None:  # pragma: no cover - console entry point
 
 templates_app = typer.Typer(help="Serving-template library (offline stage).", no_args_is_help=True)
 app.add_typer(templates_app, name="templates")
-STACKS_DIR = Path("stacks")
 LIB_PHASES = ("prefill", "decode", "aggregated")
 
 

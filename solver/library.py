@@ -23,11 +23,10 @@ from solver.errors import InputError
 from solver.perf import PERF_MODEL_VERSION
 from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode
+from solver.template import LibPhase, ServingTemplate
 from solver.template_library import (
     Candidate,
-    LibPhase,
     RowSource,
-    ServingTemplate,
     available_node_configs,
     best_candidate,
     enumerate_multisets,

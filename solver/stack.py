@@ -1,7 +1,9 @@
 """Stack config (`stacks/Pulumi.<stack>.yaml`, key `coral:fleet`): one schema for every stack.
 
 Parsed once into frozen pydantic models; errors name the key path (`coral:fleet.models.phi-4.
-slo_ms.prefill`) and the fix. Later stages extend it (demand, availability, prices, budget).
+slo_ms.prefill`) and the fix. Sections: models (SLOs, request shape, demand, serving mode),
+regions, node_configs, library (N_max, rho, runtime mode), availability / gpu_pools / prices
+(overrides of the catalog), allocation (K, budget, solver settings).
 """
 
 from __future__ import annotations
@@ -25,14 +27,64 @@ class Slo(BaseModel):
     decode: float = Field(gt=0, description="Decode latency SLO, ms per output token.")
 
 
+Serving = Literal["disaggregated", "aggregated"]
+
+
+class PhaseTokens(BaseModel):
+    model_config = FROZEN
+    prefill: float = Field(ge=0, description="Prompt tokens/s to prefill.")
+    decode: float = Field(ge=0, description="Output tokens/s to generate.")
+
+
+class Demand(BaseModel):
+    """A model's demand: requests/s (phases follow from the mean lengths) or tokens/s per phase."""
+
+    model_config = FROZEN
+    requests_per_s: float | None = Field(default=None, ge=0)
+    tokens_per_s: PhaseTokens | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self) -> Demand:
+        if (self.requests_per_s is None) == (self.tokens_per_s is None):
+            raise ValueError("give exactly one of requests_per_s or tokens_per_s")
+        return self
+
+
 class ModelSpec(BaseModel):
-    """One served model: its SLOs and the mean request shape of its workload."""
+    """One served model: its SLOs, the mean request shape of its workload, and its demand."""
 
     model_config = FROZEN
     slo_ms: Slo
     mean_prompt_tokens: float = Field(gt=0, description="Mean prompt length of its workload.")
     mean_output_tokens: float = Field(gt=0, description="Mean output length of its workload.")
     workload: str = Field(default="", description="Trace the lengths come from, with source.")
+    demand: Demand | None = Field(default=None, description="Needed by `coral plan`.")
+    serving: Serving = Field(
+        default="disaggregated",
+        description="disaggregated: prefill and decode replicas (the paper's default); "
+        "aggregated: one replica serves both phases (capacity in requests/s).",
+    )
+
+    def phase_demand(self) -> dict[str, float]:
+        """Demand per library phase: tokens/s for prefill/decode, requests/s for aggregated.
+
+        Raises:
+            ValueError: no demand, or tokens/s given for an aggregated model.
+        """
+        if self.demand is None:
+            raise ValueError("no demand")
+        d = self.demand
+        if self.serving == "aggregated":
+            if d.requests_per_s is None:
+                raise ValueError("an aggregated model needs demand.requests_per_s")
+            return {"aggregated": d.requests_per_s}
+        if d.tokens_per_s is not None:
+            return {"prefill": d.tokens_per_s.prefill, "decode": d.tokens_per_s.decode}
+        assert d.requests_per_s is not None
+        return {
+            "prefill": d.requests_per_s * self.mean_prompt_tokens,
+            "decode": d.requests_per_s * self.mean_output_tokens,
+        }
 
     @property
     def decode_context_tokens(self) -> float:
@@ -55,6 +107,59 @@ class Region(BaseModel):
     region: str
 
 
+class NodeAvailability(BaseModel):
+    """How many nodes of one config one region can give us (overrides the catalog's)."""
+
+    model_config = FROZEN
+    cloud: Literal["aws", "gcp"]
+    region: str
+    node: str
+    count: int = Field(ge=0)
+
+
+class GpuPool(BaseModel):
+    """GPUs of one type one region can give us, shared by every node config of that GPU."""
+
+    model_config = FROZEN
+    cloud: Literal["aws", "gcp"]
+    region: str
+    gpu: str
+    gpus: int = Field(ge=0)
+
+
+class PriceOverride(BaseModel):
+    """A negotiated or changed price; like every outside number it carries its source."""
+
+    model_config = FROZEN
+    cloud: Literal["aws", "gcp"]
+    region: str
+    node: str
+    usd_per_hour: float = Field(gt=0)
+    source: str = Field(min_length=1, description="Where the price comes from, and when.")
+
+
+Backend = Literal["cp-sat", "scip", "highs"]
+
+
+class AllocationSettings(BaseModel):
+    """Online allocation ILP settings."""
+
+    model_config = FROZEN
+    startup_penalty_k: float = Field(
+        default=0.1,
+        ge=0,
+        description="K = node start-up time / adjustment interval; 0.1 = 6 min boot and model "
+        "load over the paper's 60 min interval (paper Sec. 6.1).",
+    )
+    budget_usd_per_hour: float | None = Field(default=None, gt=0)
+    backend: Backend = Field(
+        default="scip", description="SCIP: fastest of the three here (docs/allocation.md)."
+    )
+    time_limit_s: float = Field(default=60, gt=0)
+    relative_gap: float = Field(default=0.01, ge=0, lt=1)
+    threads: int = Field(default=2, ge=1)
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -64,11 +169,30 @@ class FleetConfig(BaseModel):
     regions: list[Region] = Field(min_length=1)
     node_configs: list[str] = Field(min_length=1, description="Node configs the fleet may rent.")
     library: LibrarySettings = Field(default_factory=LibrarySettings)
+    availability: list[NodeAvailability] = Field(default_factory=list)
+    gpu_pools: list[GpuPool] = Field(default_factory=list)
+    prices: list[PriceOverride] = Field(default_factory=list)
+    allocation: AllocationSettings = Field(default_factory=AllocationSettings)
 
     @model_validator(mode="after")
-    def _unique(self) -> FleetConfig:
+    def _consistent(self) -> FleetConfig:
         if len(set(self.node_configs)) != len(self.node_configs):
             raise ValueError("node_configs lists a node config twice")
+        regions = {(r.cloud, r.region) for r in self.regions}
+        overrides: list[tuple[str, NodeAvailability | PriceOverride]] = [
+            *((f"availability[{i}]", a) for i, a in enumerate(self.availability)),
+            *((f"prices[{i}]", p) for i, p in enumerate(self.prices)),
+        ]
+        for where, item in overrides:
+            if (item.cloud, item.region) not in regions:
+                raise ValueError(f"{where}: region {item.cloud}:{item.region} is not in regions")
+            if item.node not in self.node_configs:
+                raise ValueError(f"{where}: node {item.node} is not in node_configs")
+        for i, pool in enumerate(self.gpu_pools):
+            if (pool.cloud, pool.region) not in regions:
+                raise ValueError(
+                    f"gpu_pools[{i}]: region {pool.cloud}:{pool.region} not in regions"
+                )
         return self
 
 

@@ -1,0 +1,41 @@
+"""What every `coral` command shares: the consoles, JSON output, and clean error exits.
+
+Human output goes to stderr (Rich), machine output (`--json`) to stdout.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import typer
+from rich.console import Console
+
+from solver.errors import CoralError
+
+err = Console(stderr=True)
+out = Console()
+F = TypeVar("F", bound=Callable[..., Any])
+STACKS_DIR = Path("stacks")  # relative to the Pulumi project, where `coral` runs
+
+
+def reports_errors(fn: F) -> F:
+    """Turn CoralError into a clean message on stderr and exit code 1 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except CoralError as exc:
+            err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True)
+            raise typer.Exit(1) from None
+
+    return wrapper  # type: ignore[return-value]
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")

@@ -1,0 +1,277 @@
+"""Online allocation (paper Sec. 4.3): the cheapest mix of template instances across regions.
+
+Integer nu[r, t] = instances of template t in region r. Constraints: availability per (region,
+node config) and per GPU pool; demand per (model, phase); optional budget. Objective: $/hour
+plus the start-up penalty I[r, t] >= K p[r, t] (nu - nu0) against the running plan nu0 (only
+scaling up pays). Solved with OR-Tools (CP-SAT, SCIP or HiGHS, a stack setting).
+
+Scarcity: when demand cannot be met, a first solve finds the largest fraction phi of every
+model's demand that can be served (uniform across models, as the paper does); a second finds the
+cheapest plan serving phi. Saturated constraints of the first solve are reported in words.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+from ortools.linear_solver import pywraplp
+
+from solver.market import Market, RegionId, region_name
+from solver.plan import SolverReport
+from solver.stack import AllocationSettings
+from solver.template import ServingTemplate
+
+Job = tuple[str, str]  # (model, phase)
+RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, template key)
+FRACTION_STEPS = 10_000  # phi is solved in steps of 0.01%
+BACKEND_IDS = {"cp-sat": "CP_SAT", "scip": "SCIP", "highs": "HIGHS"}
+
+
+@dataclass(frozen=True)
+class Column:
+    """One choice of the ILP: a template of one (model, phase) in one region."""
+
+    job: Job
+    region: RegionId
+    template: ServingTemplate
+    price: float
+    usage: tuple[tuple[str, int], ...]  # node config -> nodes per instance
+
+    @property
+    def running_key(self) -> RunningKey:
+        return (*self.job, self.region[0], self.region[1], self.template.key)
+
+
+@dataclass(frozen=True)
+class Problem:
+    demand: dict[Job, float]
+    columns: list[Column]
+    market: Market
+    settings: AllocationSettings
+    running: dict[RunningKey, int] = field(default_factory=dict)  # nu0
+
+
+@dataclass(frozen=True)
+class Solution:
+    counts: dict[int, int]  # column index -> instances
+    fraction: float
+    report: SolverReport | None  # None for the greedy baseline
+    binding: list[str]
+
+
+def make_columns(
+    templates: dict[Job, list[ServingTemplate]], market: Market, demand: dict[Job, float]
+) -> list[Column]:
+    """Every (template, region) pair whose region sells all of the template's nodes."""
+    columns = []
+    for job in sorted(demand):
+        if demand[job] <= 0:
+            continue
+        for t in templates.get(job, []):
+            usage: dict[str, int] = {}
+            for n in t.nodes:
+                usage[n] = usage.get(n, 0) + 1
+            for region in market.regions:
+                price = market.template_price(region, t.nodes)
+                if price is not None:
+                    columns.append(Column(job, region, t, price, tuple(sorted(usage.items()))))
+    return columns
+
+
+def _upper_bound(col: Column, market: Market, demand: float) -> int:
+    """Most instances worth buying: what availability allows, and no more than demand needs."""
+    by_avail = min(market.available[(col.region, n)] // c for n, c in col.usage)
+    by_pool = min(
+        (
+            market.gpu_pools[(col.region, market.gpu_of[n][0])] // (c * market.gpu_of[n][1])
+            for n, c in col.usage
+            if (col.region, market.gpu_of[n][0]) in market.gpu_pools
+        ),
+        default=by_avail,
+    )
+    return max(0, min(by_avail, by_pool, math.ceil(demand / col.template.throughput - 1e-9)))
+
+
+class _Model:
+    """The ILP over a problem's columns, with demand scaled by phi (fixed or a variable)."""
+
+    def __init__(self, problem: Problem, maximise_fraction: bool, min_fraction: float) -> None:
+        s = problem.settings
+        self.problem = problem
+        solver = pywraplp.Solver.CreateSolver(BACKEND_IDS[s.backend])
+        if solver is None:
+            raise RuntimeError(f"OR-Tools has no {s.backend} backend in this build")
+        solver.SuppressOutput()  # HiGHS prints a banner to stdout otherwise (breaks --json)
+        self.solver = solver
+        cols, market = problem.columns, problem.market
+        self.nu = [
+            solver.IntVar(0, _upper_bound(c, market, problem.demand[c.job]), f"nu{i}")
+            for i, c in enumerate(cols)
+        ]
+        # Availability per (region, node config), and per (region, GPU pool) where set.
+        use: dict[tuple[RegionId, str], list[tuple[int, int]]] = {}
+        for i, c in enumerate(cols):
+            for n, k in c.usage:
+                use.setdefault((c.region, n), []).append((i, k))
+        self.slot_rows = {}
+        for slot, terms in sorted(use.items()):
+            expr = solver.Sum([k * self.nu[i] for i, k in terms])
+            self.slot_rows[slot] = (expr, market.available[slot])
+            solver.Add(expr <= market.available[slot])
+        self.pool_rows = {}
+        for (region, gpu), gpus in sorted(market.gpu_pools.items()):
+            terms = [
+                k * market.gpu_of[n][1] * self.nu[i]
+                for (r, n), items in use.items()
+                if r == region and market.gpu_of[n][0] == gpu
+                for i, k in items
+            ]
+            if terms:
+                expr = solver.Sum(terms)
+                self.pool_rows[(region, gpu)] = (expr, gpus)
+                solver.Add(expr <= gpus)
+        # Demand per (model, phase), scaled by phi.
+        self.phi = solver.IntVar(0, FRACTION_STEPS, "phi") if maximise_fraction else None
+        by_job: dict[Job, list[int]] = {}
+        for i, c in enumerate(cols):
+            by_job.setdefault(c.job, []).append(i)
+        for job, d in sorted(problem.demand.items()):
+            if d <= 0:
+                continue
+            supply = solver.Sum(
+                [cols[i].template.throughput * self.nu[i] for i in by_job.get(job, [])]
+            )
+            if self.phi is not None:
+                solver.Add(supply >= (d / FRACTION_STEPS) * self.phi)
+            else:
+                solver.Add(supply >= d * min_fraction)
+        self.cost = solver.Sum([c.price * self.nu[i] for i, c in enumerate(cols)])
+        if s.budget_usd_per_hour is not None:
+            solver.Add(self.cost <= s.budget_usd_per_hour)
+        if self.phi is not None:
+            solver.Maximize(self.phi)
+            return
+        # Start-up penalty: new instances pay K x price; running ones only above nu0.
+        penalty = []
+        for i, c in enumerate(cols):
+            running = problem.running.get(c.running_key, 0)
+            if running == 0:
+                penalty.append(s.startup_penalty_k * c.price * self.nu[i])
+            else:
+                extra = solver.NumVar(0, solver.infinity(), f"I{i}")
+                solver.Add(extra >= s.startup_penalty_k * c.price * (self.nu[i] - running))
+                penalty.append(extra)
+        self.penalty = solver.Sum(penalty)
+        solver.Minimize(self.cost + self.penalty)
+
+    def solve(self) -> tuple[int, float]:
+        s, solver = self.problem.settings, self.solver
+        solver.SetTimeLimit(int(s.time_limit_s * 1000))
+        params = pywraplp.MPSolverParameters()
+        params.SetDoubleParam(params.RELATIVE_MIP_GAP, s.relative_gap)
+        if s.backend == "cp-sat":
+            # Fixed seed and interleaved workers: the same inputs give the same plan.
+            solver.SetSolverSpecificParametersAsString(
+                f"num_workers:{s.threads} interleave_search:true random_seed:0 "
+                f"relative_gap_limit:{s.relative_gap}"
+            )
+        else:
+            solver.SetNumThreads(s.threads)
+        start = time.perf_counter()
+        status = solver.Solve(params)
+        return status, time.perf_counter() - start
+
+
+STATUS = {
+    pywraplp.Solver.OPTIMAL: "optimal",
+    pywraplp.Solver.FEASIBLE: "feasible",
+    pywraplp.Solver.INFEASIBLE: "infeasible",
+    pywraplp.Solver.UNBOUNDED: "unbounded",
+    pywraplp.Solver.ABNORMAL: "abnormal",
+    pywraplp.Solver.NOT_SOLVED: "not solved",
+}
+
+
+def solve_allocation(problem: Problem) -> Solution:
+    """The cheapest plan meeting all demand, or, when scarce, the most uniform fraction of it."""
+    model = _Model(problem, maximise_fraction=False, min_fraction=1.0)
+    status, seconds = model.solve()
+    fraction, binding = 1.0, []
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
+        status_f, sec_f = scarce.solve()
+        seconds += sec_f
+        if status_f not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            raise RuntimeError(f"allocation: the scarcity solve ended {STATUS.get(status_f)}")
+        assert scarce.phi is not None
+        steps = round(scarce.phi.solution_value())
+        fraction = steps / FRACTION_STEPS
+        binding = _binding(problem, scarce)
+        model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
+        status, sec_c = model.solve()
+        seconds += sec_c
+        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+            raise RuntimeError(
+                f"allocation: the cost solve at phi={fraction} ended {STATUS.get(status)}"
+            )
+    counts = {
+        i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5
+    }
+    objective = model.solver.Objective().Value()
+    bound = model.solver.Objective().BestBound()
+    gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+    s = problem.settings
+    report = SolverReport(
+        backend=s.backend,
+        status=STATUS.get(status, str(status)),
+        objective=round(objective, 6),
+        best_bound=round(bound, 6),
+        gap=round(gap, 6),
+        solve_seconds=round(seconds, 4),
+        time_limit_s=s.time_limit_s,
+        relative_gap=s.relative_gap,
+    )
+    return Solution(counts, fraction, report, binding)
+
+
+def _binding(problem: Problem, model: _Model) -> list[str]:
+    """Constraints at their limit in the most-served solution, in words a user can act on."""
+    out = []
+    cols = problem.columns
+    users: dict[tuple[RegionId, str], dict[Job, int]] = {}
+    for i, c in enumerate(cols):
+        n = round(model.nu[i].solution_value())
+        for node, k in c.usage if n else ():
+            per = users.setdefault((c.region, node), {})
+            per[c.job] = per.get(c.job, 0) + n * k
+    for (region, node), (expr, limit) in model.slot_rows.items():
+        if limit > 0 and expr.solution_value() >= limit - 1e-6:
+            who = ", ".join(
+                f"{m} {ph} {k}" for (m, ph), k in sorted(users.get((region, node), {}).items())
+            )
+            out.append(
+                f"{region_name(region)} {node}: all {limit} available nodes are in use ({who}); "
+                f"raise its count under coral:fleet.availability, or allow another region or node config"
+            )
+    for (region, gpu), (expr, limit) in model.pool_rows.items():
+        if limit > 0 and expr.solution_value() >= limit - 1e-6:
+            out.append(
+                f"{region_name(region)} {gpu} GPU pool: all {limit} GPUs are in use; "
+                f"raise it under coral:fleet.gpu_pools"
+            )
+    budget = problem.settings.budget_usd_per_hour
+    if budget is not None and model.cost.solution_value() >= budget * (1 - 1e-6):
+        out.append(
+            f"budget: the full {budget} $/hour is spent; raise "
+            f"coral:fleet.allocation.budget_usd_per_hour"
+        )
+    have = {c.job for c in cols}
+    for job in sorted(problem.demand):
+        if problem.demand[job] > 0 and job not in have:
+            out.append(
+                f"{job[0]} {job[1]}: no serving template fits any region's node configs; "
+                f"add larger node configs or regions, or relax its SLO"
+            )
+    return out

@@ -1,0 +1,94 @@
+"""The plan: which template instances run where, what they cost, and how sure the solver is.
+
+Written as `plan.json`; read back by `coral plan diff`, the validator, the Pulumi program and the
+next re-plan (its instances are the running fleet, nu0). Instance keys are stable:
+`<model>/<phase>/<cloud>:<region>/<template key>/<index>`, so unchanged demand changes nothing.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from solver.template import LibPhase, ServingTemplate
+
+FROZEN = ConfigDict(frozen=True, extra="forbid")
+Method = Literal["coral", "homo", "cauchy"]
+
+
+class Instance(BaseModel):
+    """One serving instance: one template in one region, serving one replica."""
+
+    model_config = FROZEN
+    key: str = Field(description="<model>/<phase>/<cloud>:<region>/<template>/<index>")
+    model: str
+    phase: LibPhase
+    cloud: str
+    region: str
+    template: str = Field(description="Template key, e.g. 'l40sx1*3+l4x1'.")
+    index: int = Field(ge=0)
+    nodes: list[str]
+    usd_per_hour: float
+    throughput: float
+
+
+class JobResult(BaseModel):
+    """Demand vs delivered throughput of one (model, phase)."""
+
+    model_config = FROZEN
+    model: str
+    phase: LibPhase
+    unit: Literal["tokens/s", "requests/s"]
+    demand: float
+    throughput: float
+    usd_per_hour: float
+    instances: int
+
+
+class SolverReport(BaseModel):
+    model_config = FROZEN
+    backend: str
+    status: str = Field(description="optimal, feasible (gap open), or infeasible.")
+    objective: float = Field(description="$/hour incl. the start-up penalty.")
+    best_bound: float
+    gap: float = Field(description="(objective - bound) / objective.")
+    solve_seconds: float = Field(description="Wall time of every solve of this plan.")
+    time_limit_s: float
+    relative_gap: float
+
+
+class Plan(BaseModel):
+    model_config = FROZEN
+    format: Literal[1] = 1
+    stack: str
+    method: Method
+    mode: str
+    served_fraction: float = Field(ge=0, le=1, description="Uniform fraction of demand served.")
+    hourly_cost_usd: float = Field(description="Provisioning $/hour of every instance.")
+    startup_penalty_usd_per_hour: float = Field(description="K x price of new instances.")
+    cost_by_model: dict[str, dict[str, float]] = Field(description="model -> phase -> $/hour.")
+    jobs: list[JobResult]
+    instances: list[Instance]
+    templates: dict[str, ServingTemplate] = Field(
+        description="<model>/<phase>/<template key> -> the template (stages, layer split)."
+    )
+    binding: list[str] = Field(description="Constraints that limit the plan, in words.")
+    solver: SolverReport | None = Field(description="None for greedy baselines.")
+    input_hashes: dict[str, str]
+
+    def counts(self) -> dict[tuple[str, str, str, str, str], int]:
+        """(model, phase, cloud, region, template) -> instances: the running fleet nu0."""
+        out: dict[tuple[str, str, str, str, str], int] = {}
+        for i in self.instances:
+            k = (i.model, i.phase, i.cloud, i.region, i.template)
+            out[k] = out.get(k, 0) + 1
+        return out
+
+
+def instance_key(model: str, phase: str, cloud: str, region: str, template: str, i: int) -> str:
+    return f"{model}/{phase}/{cloud}:{region}/{template}/{i}"
+
+
+def template_ref(model: str, phase: str, key: str) -> str:
+    return f"{model}/{phase}/{key}"

@@ -1,0 +1,184 @@
+"""From a stack to a plan: demand per (model, phase), libraries, allocation, the plan file.
+
+`plan_stack` runs Coral's allocation or a baseline (`solver/baselines.py`) and assembles the
+`Plan`. Libraries come from a folder, and are built (or rebuilt when stale) there when asked.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from solver.allocation import Column, Job, Problem, Solution, make_columns, solve_allocation
+from solver.catalog import Catalog
+from solver.errors import InputError
+from solver.library import Library, build_libraries, load_library, save_library
+from solver.market import Market, build_market
+from solver.plan import Instance, JobResult, Method, Plan, instance_key, template_ref
+from solver.profile import PerfModel
+from solver.stack import FleetConfig
+
+
+def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
+    """(model, phase) -> demand: tokens/s for prefill and decode, requests/s for aggregated.
+
+    Raises:
+        InputError: a model without demand, or with a demand its serving mode cannot use.
+    """
+    out: dict[Job, float] = {}
+    for model, spec in fleet.models.items():
+        try:
+            for phase, d in spec.phase_demand().items():
+                out[(model, phase)] = d
+        except ValueError as e:
+            raise InputError(
+                f"coral:fleet.models.{model}.demand",
+                str(e),
+                "add `demand: {requests_per_s: N}` (or tokens_per_s: {prefill, decode})",
+            ) from e
+    return out
+
+
+def libraries_for(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    jobs: list[Job],
+    directory: Path,
+    build_missing: bool = True,
+    workers: int = 2,
+    progress: Callable[[Job, int, int], None] | None = None,
+) -> dict[Job, Library]:
+    """Load each job's library from `directory`; build missing or stale ones when asked.
+
+    Raises:
+        InputError: a library is missing or stale and `build_missing` is False.
+    """
+    libs: dict[Job, Library] = {}
+    todo: list[Job] = []
+    for job in jobs:
+        try:
+            libs[job] = load_library(directory, perf, fleet, *job)  # type: ignore[arg-type]
+        except InputError:
+            if not build_missing:
+                raise
+            todo.append(job)
+    if todo:
+        for lib in build_libraries(perf, fleet, todo, workers, progress):  # type: ignore[arg-type]
+            save_library(lib, directory)
+            libs[(lib.model, lib.phase)] = lib
+    return libs
+
+
+def _digest(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
+
+
+def plan_from_solution(
+    stack: str,
+    method: Method,
+    fleet: FleetConfig,
+    market: Market,
+    demand: dict[Job, float],
+    columns: list[Column],
+    solution: Solution,
+    libs: dict[Job, Library],
+) -> Plan:
+    """Assemble a plan: stable instance keys, costs per model and phase, demand vs supply."""
+    instances: list[Instance] = []
+    templates = {}
+    k = fleet.allocation.startup_penalty_k
+    penalty = 0.0
+    for i in sorted(solution.counts, key=lambda i: columns[i].running_key):
+        c, n = columns[i], solution.counts[i]
+        (cloud, region), (model, phase) = c.region, c.job
+        templates[template_ref(model, phase, c.template.key)] = c.template
+        for idx in range(n):
+            instances.append(
+                Instance(
+                    key=instance_key(model, phase, cloud, region, c.template.key, idx),
+                    model=model,
+                    phase=c.template.phase,
+                    cloud=cloud,
+                    region=region,
+                    template=c.template.key,
+                    index=idx,
+                    nodes=c.template.nodes,
+                    usd_per_hour=round(c.price, 6),
+                    throughput=c.template.throughput,
+                )
+            )
+    cost_by_model: dict[str, dict[str, float]] = {}
+    jobs = []
+    for job, d in sorted(demand.items()):
+        mine = [x for x in instances if (x.model, x.phase) == job]
+        usd = sum(x.usd_per_hour for x in mine)
+        cost_by_model.setdefault(job[0], {})[job[1]] = round(usd, 4)
+        jobs.append(
+            JobResult(
+                model=job[0],
+                phase=job[1],
+                unit="requests/s" if job[1] == "aggregated" else "tokens/s",
+                demand=round(d, 6),
+                throughput=round(sum(x.throughput for x in mine), 6),
+                usd_per_hour=round(usd, 4),
+                instances=len(mine),
+            )
+        )
+    if solution.report is not None:
+        penalty = max(0.0, solution.report.objective - sum(x.usd_per_hour for x in instances))
+    elif k:
+        penalty = k * sum(x.usd_per_hour for x in instances)
+    return Plan(
+        stack=stack,
+        method=method,
+        mode=fleet.library.mode,
+        served_fraction=solution.fraction,
+        hourly_cost_usd=round(sum(x.usd_per_hour for x in instances), 4),
+        startup_penalty_usd_per_hour=round(penalty, 4),
+        cost_by_model=cost_by_model,
+        jobs=jobs,
+        instances=instances,
+        templates=templates,
+        binding=solution.binding,
+        solver=solution.report,
+        input_hashes={
+            "libraries": _digest({f"{m}/{p}": lib.input_hashes for (m, p), lib in libs.items()}),
+            "market": _digest(
+                [
+                    market.as_rows(),
+                    sorted((f"{r}/{g}", n) for (r, g), n in market.gpu_pools.items()),
+                ]
+            ),
+            "demand": _digest(sorted(demand.items())),
+            "allocation": _digest(fleet.allocation.model_dump()),
+        },
+    )
+
+
+def plan_stack(
+    stack: str,
+    fleet: FleetConfig,
+    catalog: Catalog,
+    libs: dict[Job, Library],
+    previous: Plan | None = None,
+    method: Method = "coral",
+) -> Plan:
+    """Solve the allocation for a stack (or run a baseline) and assemble the plan."""
+    from solver.baselines import cauchy_columns, homo_solution
+
+    demand = stack_demand(fleet)
+    market = build_market(fleet, catalog)
+    templates = {job: lib.templates for job, lib in libs.items()}
+    columns = make_columns(templates, market, demand)
+    if method == "homo":
+        solution = homo_solution(fleet, market, demand, columns)
+    else:
+        if method == "cauchy":
+            columns = cauchy_columns(columns)
+        running = previous.counts() if previous is not None else {}
+        problem = Problem(demand, columns, market, fleet.allocation, running)
+        solution = solve_allocation(problem)
+    return plan_from_solution(stack, method, fleet, market, demand, columns, solution, libs)
