@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
 
@@ -178,7 +178,7 @@ class _Model:
                 f"relative_gap_limit:{s.relative_gap}"
             )
         else:
-            solver.SetNumThreads(s.threads)
+            pass  # SCIP and HiGHS run single-threaded here (SCIP segfaulted with threads > 1)
         start = time.perf_counter()
         status = solver.Solve(params)
         return status, time.perf_counter() - start
@@ -262,16 +262,58 @@ def _binding(problem: Problem, model: _Model) -> list[str]:
                 f"raise it under coral:fleet.gpu_pools"
             )
     budget = problem.settings.budget_usd_per_hour
-    if budget is not None and model.cost.solution_value() >= budget * (1 - 1e-6):
-        out.append(
-            f"budget: the full {budget} $/hour is spent; raise "
-            f"coral:fleet.allocation.budget_usd_per_hour"
+    if budget is not None:
+        # Integer instances rarely spend a budget exactly: ask whether lifting it serves more.
+        free = replace(
+            problem, settings=problem.settings.model_copy(update={"budget_usd_per_hour": None})
         )
-    have = {c.job for c in cols}
+        unbounded = _Model(free, maximise_fraction=True, min_fraction=0.0)
+        unbounded.solve()
+        assert unbounded.phi is not None and model.phi is not None
+        if unbounded.phi.solution_value() > model.phi.solution_value() + 0.5:
+            out.append(
+                f"budget: {budget} $/hour serves {model.phi.solution_value() / FRACTION_STEPS:.1%} "
+                f"of demand, without it {unbounded.phi.solution_value() / FRACTION_STEPS:.1%}; "
+                f"raise coral:fleet.allocation.budget_usd_per_hour"
+            )
+    alone: dict[Job, float] = {}  # most each job could get with every node to itself
+    for c in cols:
+        ub = _upper_bound(c, problem.market, problem.demand[c.job] * 1e6)
+        alone[c.job] = alone.get(c.job, 0.0) + c.template.throughput * ub
     for job in sorted(problem.demand):
-        if problem.demand[job] > 0 and job not in have:
+        d = problem.demand[job]
+        if d <= 0 or alone.get(job, 0.0) >= d:
+            continue
+        if job not in alone:
             out.append(
                 f"{job[0]} {job[1]}: no serving template fits any region's node configs; "
                 f"add larger node configs or regions, or relax its SLO"
             )
+            continue
+        short = sorted(
+            {
+                f"{n} in {region_name(c.region)} ({problem.market.available[(c.region, n)]})"
+                for c in cols
+                if c.job == job
+                for n, _ in c.usage
+            }
+        )
+        out.append(
+            f"{job[0]} {job[1]}: even with every node to itself it gets "
+            f"{100 * alone[job] / d:.0f}% of its demand; its templates use "
+            f"{', '.join(short[:6])}{' ...' if len(short) > 6 else ''} (available nodes in "
+            f"brackets): raise those under coral:fleet.availability or gpu_pools"
+        )
+    if not out:  # phi = 0 with nothing saturated: the jobs cannot all get one instance at once
+        jobs = sorted(j for j, d in problem.demand.items() if d > 0)
+        options = "; ".join(
+            f"{m} {ph}: "
+            + ", ".join(sorted({n for c in cols if c.job == (m, ph) for n, _ in c.usage}))
+            for m, ph in jobs
+        )
+        out.append(
+            f"the available nodes cannot give all {len(jobs)} (model, phase) pairs one instance "
+            f"each at the same time (the served fraction is uniform, so one unserved pair means "
+            f"0%). Node configs each can use: {options}. Raise their availability"
+        )
     return out

@@ -157,7 +157,7 @@ class AllocationSettings(BaseModel):
     )
     time_limit_s: float = Field(default=60, gt=0)
     relative_gap: float = Field(default=0.01, ge=0, lt=1)
-    threads: int = Field(default=2, ge=1)
+    threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
 
 
 class FleetConfig(BaseModel):

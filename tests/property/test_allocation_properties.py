@@ -1,0 +1,181 @@
+"""Allocation invariants on small real problems (Hypothesis), and brute force on tiny ones."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solver.allocation import Column, Problem, solve_allocation
+from solver.market import Market
+from solver.planner import plan_stack
+from solver.stack import AllocationSettings
+from solver.template import ServingTemplate, Stage, StageMember
+from solver.validate import validate_plan
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
+
+SLOTS = [
+    (region, node)
+    for region in ("us-east-2", "ap-northeast-2")
+    for node in SMALL_FLEET["node_configs"]
+]
+demands = st.fixed_dictionaries({"phi-4": st.floats(0.2, 6), "gpt-oss-20b": st.floats(0.2, 8)})
+availability = st.lists(st.integers(0, 6), min_size=len(SLOTS), max_size=len(SLOTS))
+SETTINGS = settings(max_examples=25, deadline=None, derandomize=True)
+
+
+def with_inputs(rps: dict[str, float], avail: list[int], price_scale: float = 1.0, **more):
+    models = {
+        m: spec | {"demand": {"requests_per_s": round(rps[m], 3)}}
+        for m, spec in SMALL_FLEET["models"].items()
+    }
+    cat = perf().catalog
+    prices = []
+    if price_scale != 1.0:
+        for region, node in SLOTS:
+            offer = next(o for o in cat.offers if (o.region, o.node) == (region, node))
+            prices.append(
+                {
+                    "cloud": "aws",
+                    "region": region,
+                    "node": node,
+                    "usd_per_hour": offer.price_usd_per_hour * price_scale,
+                    "source": "test: scaled catalog price",
+                }
+            )
+    overrides = [
+        {"cloud": "aws", "region": r, "node": n, "count": a}
+        for (r, n), a in zip(SLOTS, avail, strict=True)
+    ]
+    return fleet(models=models, availability=overrides, prices=prices, **more)
+
+
+def solve(f):
+    plan = plan_stack("test", f, perf().catalog, libraries())
+    return validate_plan(plan, f, perf().catalog, perf().cards)  # every plan validates
+
+
+@SETTINGS
+@given(demands, availability, st.integers(0, len(SLOTS) - 1), st.integers(1, 4))
+def test_more_availability_never_raises_the_optimum(rps, avail, slot, extra):
+    base = solve(with_inputs(rps, avail))
+    more = list(avail)
+    more[slot] += extra
+    richer = solve(with_inputs(rps, more))
+    assert richer.served_fraction >= base.served_fraction - 1e-9
+    if base.served_fraction == richer.served_fraction == 1:
+        assert richer.solver.objective <= base.solver.objective * (1 + 1e-9)
+
+
+@SETTINGS
+@given(demands, availability, st.floats(0.3, 1.0))
+def test_less_demand_never_raises_the_optimum(rps, avail, factor):
+    full = solve(with_inputs(rps, avail))
+    less = solve(with_inputs({m: d * factor for m, d in rps.items()}, avail))
+    if full.served_fraction == 1:
+        assert less.served_fraction == 1
+        assert less.solver.objective <= full.solver.objective * (1 + 1e-9)
+
+
+@SETTINGS
+@given(demands, st.floats(0.25, 4.0))
+def test_scaling_every_price_scales_the_optimum(rps, k):
+    avail = [8] * len(SLOTS)
+    base = solve(with_inputs(rps, avail, 1.0))
+    scaled = solve(with_inputs(rps, avail, k))
+    assert scaled.solver.objective == pytest.approx(k * base.solver.objective, rel=1e-6)
+
+
+@SETTINGS
+@given(demands, availability)
+def test_relabelling_regions_and_models_changes_nothing(rps, avail):
+    base = solve(with_inputs(rps, avail))
+    f = with_inputs(rps, avail)
+    swapped = f.model_copy(
+        update={
+            "regions": list(reversed(f.regions)),
+            "models": dict(reversed(list(f.models.items()))),
+        }
+    )
+    other = solve(swapped)
+    assert other.served_fraction == pytest.approx(base.served_fraction, abs=1e-4)
+    assert other.solver.objective == pytest.approx(base.solver.objective, rel=1e-6)
+
+
+# ---------------------------------------------------------------- brute force on tiny problems
+
+REGIONS = [("aws", "r1"), ("aws", "r2")]
+NODES = {"a": ("ga", 1), "b": ("gb", 1)}
+
+
+def _template(key: str, nodes: list[str], throughput: float) -> ServingTemplate:
+    return ServingTemplate(
+        key=key,
+        model="m",
+        phase="prefill",
+        mode="vllm",
+        nodes=nodes,
+        stages=[Stage(layers=1, members=[StageMember(node=0, gpus=[0], tp=1)])],
+        throughput=throughput,
+        unit="tokens/s",
+        stage_budget_ms=[100.0],
+    )
+
+
+@st.composite
+def tiny_problems(draw):
+    prices = {(r, n): draw(st.floats(0.5, 5)) for r in REGIONS for n in NODES}
+    avail = {(r, n): draw(st.integers(0, 3)) for r in REGIONS for n in NODES}
+    shapes = draw(
+        st.lists(st.sampled_from([["a"], ["b"], ["a", "b"], ["a", "a"]]), min_size=1, max_size=3)
+    )
+    columns = []
+    for i, nodes in enumerate(shapes):
+        t = _template(f"t{i}", nodes, draw(st.floats(1, 10)))
+        for r in REGIONS:
+            if all(avail[(r, n)] > 0 for n in nodes):
+                usage = tuple(sorted((n, nodes.count(n)) for n in set(nodes)))
+                columns.append(
+                    Column(("m", "prefill"), r, t, sum(prices[(r, n)] for n in nodes), usage)
+                )
+    market = Market(prices, avail, {}, dict(NODES))
+    demand = draw(st.floats(1, 25))
+    k = draw(st.sampled_from([0.0, 0.1]))
+    settings_ = AllocationSettings(relative_gap=0.0, startup_penalty_k=k)
+    return Problem({("m", "prefill"): demand}, columns, market, settings_)
+
+
+def _brute_force(p: Problem) -> tuple[float, float]:
+    """(best uniform fraction in FRACTION steps, cheapest objective at it) by enumeration."""
+    best = (0.0, 0.0)
+    demand = p.demand[("m", "prefill")]
+    ranges = [range(0, 4) for _ in p.columns]
+    for counts in itertools.product(*ranges):
+        use: dict = {}
+        for c, n in zip(p.columns, counts, strict=True):
+            for node, k in c.usage:
+                use[(c.region, node)] = use.get((c.region, node), 0) + n * k
+        if any(v > p.market.available[s] for s, v in use.items()):
+            continue
+        supply = sum(c.template.throughput * n for c, n in zip(p.columns, counts, strict=True))
+        frac = min(1.0, int(supply / demand * 10_000) / 10_000)
+        cost = sum(
+            c.price * n * (1 + p.settings.startup_penalty_k)
+            for c, n in zip(p.columns, counts, strict=True)
+        )
+        if frac > best[0] + 1e-12 or (abs(frac - best[0]) <= 1e-12 and cost < best[1]):
+            best = (frac, cost)
+    return best
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tiny_problems())
+def test_allocation_matches_brute_force(problem):
+    frac, cost = _brute_force(problem)
+    if not problem.columns:
+        return
+    sol = solve_allocation(problem)
+    assert sol.fraction == pytest.approx(frac, abs=1e-4)
+    assert sol.report.objective == pytest.approx(cost, rel=1e-6, abs=1e-6)

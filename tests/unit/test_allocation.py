@@ -1,0 +1,245 @@
+"""Allocation: start-up penalty and re-planning, scarcity, budget, validator, stack errors, CLI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from coral_iac.cli import app
+from coral_iac.plan_cli import diff_plans
+from solver.errors import InputError
+from solver.io import parse_model
+from solver.planner import plan_stack
+from solver.stack import FleetConfig
+from solver.validate import InvalidPlan, validate_plan
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
+
+REPO = Path(__file__).resolve().parents[2]
+runner = CliRunner()
+
+
+def plan_for(f: FleetConfig, previous=None):
+    p = plan_stack("test", f, perf().catalog, libraries(), previous)
+    return validate_plan(p, f, perf().catalog, perf().cards)
+
+
+def with_rps(phi: float, gpt: float, **more) -> FleetConfig:
+    models = {
+        "phi-4": SMALL_FLEET["models"]["phi-4"] | {"demand": {"requests_per_s": phi}},
+        "gpt-oss-20b": SMALL_FLEET["models"]["gpt-oss-20b"] | {"demand": {"requests_per_s": gpt}},
+    }
+    return fleet(models=models, **more)
+
+
+def test_replanning_unchanged_demand_changes_nothing():
+    f = with_rps(3, 4)
+    first = plan_for(f)
+    assert first.instances and first.served_fraction == 1
+    again = plan_for(f, previous=first)
+    assert diff_plans(first, again)["added"] == diff_plans(first, again)["removed"] == []
+    assert again.startup_penalty_usd_per_hour == pytest.approx(0, abs=1e-6)
+
+
+def with_tokens(decode: float) -> FleetConfig:
+    models = {
+        "phi-4": SMALL_FLEET["models"]["phi-4"] | {"demand": {"requests_per_s": 3}},
+        "gpt-oss-20b": SMALL_FLEET["models"]["gpt-oss-20b"]
+        | {"demand": {"tokens_per_s": {"prefill": 6000, "decode": decode}}},
+    }
+    return fleet(models=models)
+
+
+def test_small_demand_increase_adds_without_replacing():
+    """More decode tokens/s than the running instances give: one more instance, none replaced."""
+    first = plan_for(with_tokens(300))
+    running = next(j for j in first.jobs if j.phase == "decode" and j.model == "gpt-oss-20b")
+    grown = plan_for(with_tokens(running.throughput * 1.05), previous=first)
+    diff = diff_plans(first, grown)
+    assert diff["added"] and not diff["removed"]
+    assert all(k.startswith("gpt-oss-20b/decode/") for k in diff["added"])
+    assert grown.startup_penalty_usd_per_hour > 0  # only the new instances pay it
+
+
+def test_demand_within_running_slack_changes_nothing():
+    first = plan_for(with_tokens(300))
+    running = next(j for j in first.jobs if j.phase == "decode" and j.model == "gpt-oss-20b")
+    same = plan_for(with_tokens(running.throughput * 0.999), previous=first)
+    assert diff_plans(first, same)["added"] == diff_plans(first, same)["removed"] == []
+
+
+def test_without_previous_plan_the_penalty_is_k_times_the_fleet():
+    p = plan_for(with_rps(3, 4))
+    k = SMALL_FLEET.get("allocation", {}).get("startup_penalty_k", 0.1)
+    assert p.startup_penalty_usd_per_hour == pytest.approx(k * p.hourly_cost_usd, abs=1e-4)
+
+
+def test_scarcity_serves_a_uniform_fraction_and_names_the_binding_nodes():
+    avail = [
+        {"cloud": "aws", "region": r, "node": n, "count": 1}
+        for r in ("us-east-2", "ap-northeast-2")
+        for n in SMALL_FLEET["node_configs"]
+    ]
+    p = plan_for(with_rps(6, 8, availability=avail))
+    assert 0 < p.served_fraction < 1
+    for job in p.jobs:
+        assert job.throughput >= p.served_fraction * job.demand * (1 - 1e-6)
+    assert any("aws:" in line and "available nodes are in use" in line for line in p.binding)
+
+
+def test_budget_limits_the_plan_and_is_reported():
+    p = plan_for(with_rps(6, 8, allocation={"budget_usd_per_hour": 6, "relative_gap": 0}))
+    assert p.served_fraction < 1 and p.hourly_cost_usd <= 6 + 1e-6
+    assert any(line.startswith("budget") for line in p.binding)
+
+
+@pytest.mark.parametrize(
+    ("tamper", "message"),
+    [
+        (lambda d: d["instances"][0].update(usd_per_hour=0.01), "costs"),
+        (lambda d: d["instances"].append(dict(d["instances"][0])), "duplicate"),
+        (lambda d: d.update(hourly_cost_usd=d["hourly_cost_usd"] + 5), "hourly cost"),
+        (lambda d: d["jobs"][0].update(demand=d["jobs"][0]["demand"] * 100), "demanded"),
+        (lambda d: d["instances"][0].update(region="ap-south-1"), "not sold"),
+    ],
+)
+def test_validator_rejects_tampered_plans(tamper, message):
+    from solver.plan import Plan
+
+    f = with_rps(3, 4)
+    data = plan_for(f).model_dump()
+    tamper(data)
+    with pytest.raises(InvalidPlan, match=message):
+        validate_plan(Plan.model_validate(data), f, perf().catalog, perf().cards)
+
+
+def test_validator_rejects_a_plan_over_availability():
+    f = with_rps(3, 4)
+    p = plan_for(f)
+    node = p.instances[0].nodes[0]
+    region = p.instances[0].region
+    tight = f.model_copy(
+        update={
+            "availability": [
+                *[a for a in f.availability if (a.region, a.node) != (region, node)],
+                parse_model(
+                    type(f.availability[0]) if f.availability else _availability_cls(),
+                    {"cloud": "aws", "region": region, "node": node, "count": 0},
+                    "test",
+                ),
+            ]
+        }
+    )
+    with pytest.raises(InvalidPlan, match="available"):
+        validate_plan(p, tight, perf().catalog, perf().cards)
+
+
+def _availability_cls():
+    from solver.stack import NodeAvailability
+
+    return NodeAvailability
+
+
+@pytest.mark.parametrize(
+    ("change", "path"),
+    [
+        (
+            {"models": {"phi-4": SMALL_FLEET["models"]["phi-4"] | {"demand": {}}}},
+            "coral:fleet: models.phi-4.demand",
+        ),
+        (
+            {
+                "availability": [
+                    {"cloud": "aws", "region": "us-east-2", "node": "h100x8", "count": 1}
+                ]
+            },
+            "availability[0]",
+        ),
+        ({"allocation": {"backend": "gurobi"}}, "allocation.backend"),
+    ],
+)
+def test_bad_stack_config_names_the_key_path(change, path):
+    with pytest.raises(InputError) as exc:
+        parse_model(FleetConfig, SMALL_FLEET | change, "coral:fleet")
+    assert path in str(exc.value)
+
+
+def test_model_without_demand_is_a_clear_error():
+    from solver.planner import stack_demand
+
+    f = fleet(
+        models={"phi-4": {k: v for k, v in SMALL_FLEET["models"]["phi-4"].items() if k != "demand"}}
+    )
+    with pytest.raises(InputError, match=r"models\.phi-4\.demand"):
+        stack_demand(f)
+
+
+def test_cli_plan_json_diff_and_strict(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    lib = tmp_path / "lib"
+    first = tmp_path / "plan.json"
+    r = runner.invoke(
+        app, ["plan", "--stack", "dev", "--library", str(lib), "--out", str(first), "--json"]
+    )
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    for key in (
+        "hourly_cost_usd",
+        "cost_by_model",
+        "served_fraction",
+        "status",
+        "solve_seconds",
+        "instances",
+    ):
+        assert key in data
+    assert data["status"] == "optimal" and data["served_fraction"] == 1
+    second = tmp_path / "again.json"
+    r = runner.invoke(
+        app,
+        [
+            "plan",
+            "--stack",
+            "dev",
+            "--library",
+            str(lib),
+            "--previous",
+            str(first),
+            "--out",
+            str(second),
+        ],
+    )
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["plan", "diff", str(first), str(second), "--json"])
+    assert r.exit_code == 0, r.output
+    assert (
+        json.loads(r.stdout)["added"] == [] and json.loads(r.stdout)["hourly_cost_delta_usd"] == 0
+    )
+    r = runner.invoke(
+        app, ["plan", "--stack", "dev", "--library", str(lib), "--baseline", "homo", "--json"]
+    )
+    assert r.exit_code == 0 and json.loads(r.stdout)["method"] == "homo"
+
+
+def test_cli_strict_exits_3_when_scarce(tmp_path, monkeypatch):
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    text = (
+        (REPO / "stacks" / "Pulumi.dev.yaml")
+        .read_text()
+        .replace("budget_usd_per_hour: 10", "budget_usd_per_hour: 1")
+    )
+    (stacks / "Pulumi.tiny.yaml").write_text(text)
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, ["plan", "--stack", "tiny", "--strict"])
+    assert r.exit_code == 3, r.output
+    assert "budget" in r.output
+
+
+def test_cli_plan_errors(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    r = runner.invoke(app, ["plan", "--stack", "dev", "--baseline", "cheapest"])
+    assert r.exit_code == 1 and "--baseline" in r.output
+    r = runner.invoke(app, ["plan", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert r.exit_code == 1 and "no such plan file" in " ".join(r.output.split())
