@@ -31,7 +31,29 @@ def cauchy_columns(columns: list[Column]) -> list[Column]:
 def homo_solution(
     fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
 ) -> Solution:
-    """Greedy Homo allocation (see module doc); availability is consumed model by model."""
+    """Greedy Homo allocation (see module doc), at the largest uniform fraction of demand it can
+    fully serve: like the paper, demand is scaled down until the method meets it (bisection)."""
+    full = _homo_greedy(fleet, market, demand, columns)
+    if full.fraction >= 1:
+        return full
+    lo, hi, best = 0.0, 1.0, None
+    for _ in range(30):
+        mid = (lo + hi) / 2
+        scaled = {j: d * mid for j, d in demand.items()}
+        trial = _homo_greedy(fleet, market, scaled, columns)
+        if trial.fraction >= 1:
+            lo, best = mid, trial
+        else:
+            hi = mid
+    if best is None:
+        return full
+    return Solution(best.counts, round(lo, 4), None, full.binding)
+
+
+def _homo_greedy(
+    fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
+) -> Solution:
+    """One greedy pass; availability is consumed model by model, in stack order."""
     left: dict[tuple[RegionId, str], int] = dict(market.available)
     pools = dict(market.gpu_pools)
     counts: dict[int, int] = {}

@@ -1,0 +1,129 @@
+"""Benchmark the online allocation (issue #4) on the paper's stacks, against the baselines.
+
+For each stack: Coral's hourly cost, served fraction, solve time (median of --repeats solves)
+and gap; Homo's and Cauchy-like's cost and served fraction; and the ratios the paper reports
+(cost when every method serves everything; goodput, i.e. served fraction, when scarce).
+
+Run through `scripts/bench_allocation` (it sets up the environment first).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from solver.defaults import load_perf_model
+from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.stack import load_stack
+from solver.validate import validate_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+STACKS = [
+    "paper-core",
+    "paper-extended",
+    "paper-core-scarce",
+    "paper-extended-scarce",
+    "paper-extended-large-heavy",
+    "paper-extended-small-heavy",
+]
+PAPER = {  # paper Sec. 6: Homo / Coral and Cauchy / Coral cost ratios, solve times
+    "paper-core": "1.62x / 1.60x cheaper; 0.24 s",
+    "paper-extended": "3.14x / 2.66x cheaper; 9.68 s",
+    "paper-core-scarce": "same cost as Homo at 1.24x goodput; 1.51x cheaper than Cauchy; 0.11 s",
+    "paper-extended-scarce": "7.64x Homo goodput; 2.39x Cauchy goodput at 1.25x lower cost; 41 s",
+    "paper-extended-large-heavy": "2.79x / 3.47x cheaper",
+    "paper-extended-small-heavy": "2.34x / 1.64x cheaper",
+}
+console = Console(width=200)
+
+
+def main(
+    stacks: Annotated[list[str] | None, typer.Option(help="Stacks to run.")] = None,
+    repeats: Annotated[int, typer.Option(help="Coral solves per stack (median time).")] = 5,
+    markdown: Annotated[Path | None, typer.Option(help="Also write the table here.")] = None,
+) -> None:
+    perf = load_perf_model()
+    table = Table(title=f"Allocation: Coral vs baselines (solve time: median of {repeats})")
+    cols = [
+        "stack",
+        "Coral $/h",
+        "served",
+        "solve s",
+        "gap",
+        "Homo $/h",
+        "served",
+        "Cauchy $/h",
+        "served",
+        "Homo/Coral",
+        "Cauchy/Coral",
+        "paper",
+    ]
+    for c in cols:
+        table.add_column(c, justify="left" if c in ("stack", "paper") else "right")
+    md = ["| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+    for name in stacks or STACKS:
+        fleet = load_stack(ROOT / "stacks", name)
+        base = "paper-core" if name.startswith("paper-core") else "paper-extended"
+        libs = libraries_for(perf, fleet, list(stack_demand(fleet)), ROOT / ".coral/library" / base)
+        plans, times = [], []
+        for _ in range(repeats):
+            p = plan_stack(name, fleet, perf.catalog, libs)
+            plans.append(p)
+            assert p.solver is not None
+            times.append(p.solver.solve_seconds)
+        coral = validate_plan(plans[0], fleet, perf.catalog, perf.cards)
+        homo = validate_plan(
+            plan_stack(name, fleet, perf.catalog, libs, method="homo"),
+            fleet,
+            perf.catalog,
+            perf.cards,
+        )
+        cauchy = validate_plan(
+            plan_stack(name, fleet, perf.catalog, libs, method="cauchy"),
+            fleet,
+            perf.catalog,
+            perf.cards,
+        )
+        assert coral.solver is not None
+        row = [
+            name,
+            f"{coral.hourly_cost_usd:.2f}",
+            f"{coral.served_fraction:.3f}",
+            f"{statistics.median(times):.2f}",
+            f"{100 * coral.solver.gap:.2f}%",
+            f"{homo.hourly_cost_usd:.2f}",
+            f"{homo.served_fraction:.3f}",
+            f"{cauchy.hourly_cost_usd:.2f}",
+            f"{cauchy.served_fraction:.3f}",
+            _ratio(homo, coral),
+            _ratio(cauchy, coral),
+            PAPER.get(name, ""),
+        ]
+        table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    console.print(
+        "Ratios: cost ratio when both serve all demand; otherwise goodput (served fraction) of "
+        "Coral over the baseline, with the cost ratio."
+    )
+    if markdown:
+        markdown.write_text("\n".join(md) + "\n", encoding="utf-8")
+
+
+def _ratio(baseline: object, coral: object) -> str:
+    b_cost, c_cost = baseline.hourly_cost_usd, coral.hourly_cost_usd  # type: ignore[attr-defined]
+    b_served, c_served = baseline.served_fraction, coral.served_fraction  # type: ignore[attr-defined]
+    cost = f"{b_cost / c_cost:.2f}x cost" if c_cost else "-"
+    if b_served >= 1 and c_served >= 1:
+        return cost
+    goodput = f"{c_served / b_served:.2f}x goodput" if b_served else "baseline serves 0"
+    return f"{goodput}, {cost}"
+
+
+if __name__ == "__main__":
+    typer.run(main)
