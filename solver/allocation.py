@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
 
+from solver.errors import CoralError
 from solver.market import Market, RegionId, region_name
 from solver.plan import SolverReport
 from solver.stack import AllocationSettings
@@ -166,6 +167,11 @@ class _Model:
         self.penalty = solver.Sum(penalty)
         solver.Minimize(self.cost + self.penalty)
 
+    def hint_from(self, counts: dict[int, int] | None) -> None:
+        """Give the solver a feasible starting plan."""
+        if counts:
+            self.solver.SetHint(self.nu, [float(counts.get(i, 0)) for i in range(len(self.nu))])
+
     def solve(self) -> tuple[int, float]:
         s, solver = self.problem.settings, self.solver
         solver.SetTimeLimit(int(s.time_limit_s * 1000))
@@ -184,6 +190,30 @@ class _Model:
         return status, time.perf_counter() - start
 
 
+def _check(status: int, what: str, problem: Problem) -> None:
+    """Raise a clear error unless the solve produced a plan."""
+    if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return
+    limit = problem.settings.time_limit_s
+    raise CoralError(
+        f"allocation: {what} ended {STATUS.get(status, status)} within {limit:g} s "
+        f"({len(problem.columns)} template-region columns); raise "
+        f"coral:fleet.allocation.time_limit_s or use fewer node configs"
+    )
+
+
+def _homogeneous_plan(problem: Problem) -> tuple[dict[int, int] | None, float]:
+    """A feasible start, with its solve time: the cheapest plan from single-node-config
+    templates (a much smaller problem), if one meets demand."""
+    idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
+    sub = replace(problem, columns=[problem.columns[i] for i in idx])
+    model = _Model(sub, maximise_fraction=False, min_fraction=1.0)
+    status, seconds = model.solve()
+    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+        return None, seconds
+    return {idx[k]: round(v.solution_value()) for k, v in enumerate(model.nu)}, seconds
+
+
 STATUS = {
     pywraplp.Solver.OPTIMAL: "optimal",
     pywraplp.Solver.FEASIBLE: "feasible",
@@ -195,27 +225,31 @@ STATUS = {
 
 
 def solve_allocation(problem: Problem) -> Solution:
-    """The cheapest plan meeting all demand, or, when scarce, the most uniform fraction of it."""
+    """The cheapest plan meeting all demand, or, when scarce, the most uniform fraction of it.
+
+    Each cost solve starts from a feasible hint when one is at hand (the cheapest plan using
+    single-node-config templates only, or the most-served plan), so a time limit still returns
+    a plan with a reported gap.
+    """
+    start_plan, seconds = _homogeneous_plan(problem)
     model = _Model(problem, maximise_fraction=False, min_fraction=1.0)
-    status, seconds = model.solve()
+    model.hint_from(start_plan)
+    status, sec = model.solve()
+    seconds += sec
     fraction, binding = 1.0, []
-    if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
+    if status == pywraplp.Solver.INFEASIBLE:
         scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
         status_f, sec_f = scarce.solve()
         seconds += sec_f
-        if status_f not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            raise RuntimeError(f"allocation: the scarcity solve ended {STATUS.get(status_f)}")
+        _check(status_f, "the most-served solve", problem)
         assert scarce.phi is not None
-        steps = round(scarce.phi.solution_value())
-        fraction = steps / FRACTION_STEPS
+        fraction = round(scarce.phi.solution_value()) / FRACTION_STEPS
         binding = _binding(problem, scarce)
         model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
+        model.hint_from({i: round(v.solution_value()) for i, v in enumerate(scarce.nu)})
         status, sec_c = model.solve()
         seconds += sec_c
-        if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
-            raise RuntimeError(
-                f"allocation: the cost solve at phi={fraction} ended {STATUS.get(status)}"
-            )
+    _check(status, "the cost solve", problem)
     counts = {
         i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5
     }
