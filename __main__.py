@@ -1,11 +1,5 @@
-"""Pulumi entry point (thin). The fleet program lands with the Pulumi issue (#5).
+"""Coral IaC's Pulumi program: see coral_iac/program.py."""
 
-Until then `pulumi preview` stops with a clear message instead of declaring anything.
-"""
+from coral_iac.program import run
 
-import pulumi
-
-raise pulumi.RunError(
-    "coral: the Pulumi fleet program is not built yet (issue #5). "
-    "Use `coral catalog show` and `coral profile table` meanwhile."
-)
+run()

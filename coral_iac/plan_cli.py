@@ -178,6 +178,8 @@ def plan_diff(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Instances added and removed, and the $/hour change per model."""
+    from solver.plan import diff_plans
+
     a, b = load_plan(old), load_plan(new)
     diff = diff_plans(a, b)
     if as_json:
@@ -202,28 +204,3 @@ def plan_diff(
         out.print(f"[red]- {k}[/]", highlight=False)
     if not diff["added"] and not diff["removed"]:
         out.print("No change.")
-
-
-def diff_plans(a: Any, b: Any) -> dict[str, Any]:
-    ka = {i.key: i for i in a.instances}
-    kb = {i.key: i for i in b.instances}
-    added, removed = sorted(set(kb) - set(ka)), sorted(set(ka) - set(kb))
-    models = sorted(
-        {i.model for i in a.instances} | {i.model for i in b.instances} | set(b.cost_by_model)
-    )
-    by_model = {}
-    for m in models:
-        before = sum(i.usd_per_hour for i in a.instances if i.model == m)
-        after = sum(i.usd_per_hour for i in b.instances if i.model == m)
-        by_model[m] = {
-            "added": sum(1 for k in added if kb[k].model == m),
-            "removed": sum(1 for k in removed if ka[k].model == m),
-            "before": round(before, 4),
-            "after": round(after, 4),
-        }
-    return {
-        "added": added,
-        "removed": removed,
-        "by_model": by_model,
-        "hourly_cost_delta_usd": round(b.hourly_cost_usd - a.hourly_cost_usd, 4),
-    }

@@ -7,7 +7,7 @@ next re-plan (its instances are the running fleet, nu0). Instance keys are stabl
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -92,3 +92,25 @@ def instance_key(model: str, phase: str, cloud: str, region: str, template: str,
 
 def template_ref(model: str, phase: str, key: str) -> str:
     return f"{model}/{phase}/{key}"
+
+
+def diff_plans(a: Plan, b: Plan) -> dict[str, Any]:
+    """Instances added and removed (by stable key), and $/hour before and after per model."""
+    ka = {i.key: i for i in a.instances}
+    kb = {i.key: i for i in b.instances}
+    added, removed = sorted(set(kb) - set(ka)), sorted(set(ka) - set(kb))
+    models = sorted({i.model for i in a.instances} | {i.model for i in b.instances})
+    by_model = {}
+    for m in models:
+        by_model[m] = {
+            "added": sum(1 for k in added if kb[k].model == m),
+            "removed": sum(1 for k in removed if ka[k].model == m),
+            "before": round(sum(i.usd_per_hour for i in a.instances if i.model == m), 4),
+            "after": round(sum(i.usd_per_hour for i in b.instances if i.model == m), 4),
+        }
+    return {
+        "added": added,
+        "removed": removed,
+        "by_model": by_model,
+        "hourly_cost_delta_usd": round(b.hourly_cost_usd - a.hourly_cost_usd, 4),
+    }

@@ -50,19 +50,22 @@ def libraries_for(
     build_missing: bool = True,
     workers: int = 2,
     progress: Callable[[Job, int, int], None] | None = None,
+    rebuild_stale: bool = True,
 ) -> dict[Job, Library]:
-    """Load each job's library from `directory`; build missing or stale ones when asked.
+    """Load each job's library from `directory`; build missing ones, and stale ones when asked.
 
     Raises:
-        InputError: a library is missing or stale and `build_missing` is False.
+        InputError: a library is missing and `build_missing` is False, or stale and
+            `rebuild_stale` is False (the error names the changed inputs).
     """
     libs: dict[Job, Library] = {}
     todo: list[Job] = []
     for job in jobs:
         try:
             libs[job] = load_library(directory, perf, fleet, *job)  # type: ignore[arg-type]
-        except InputError:
-            if not build_missing:
+        except InputError as e:
+            stale = "stale library" in e.problem
+            if (stale and not rebuild_stale) or (not stale and not build_missing):
                 raise
             todo.append(job)
     if todo:

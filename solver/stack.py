@@ -160,6 +160,52 @@ class AllocationSettings(BaseModel):
     threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
 
 
+class DeploySettings(BaseModel):
+    """How the Pulumi program deploys a plan (ignored by the solver)."""
+
+    model_config = FROZEN
+    api_port: int = Field(default=8000, ge=1, le=65535, description="Public API port.")
+    api_cidrs: list[str] = Field(
+        default_factory=list,
+        description="IPv4 CIDRs allowed to reach the API port (nothing else is open).",
+    )
+    hf_token_secret: str = Field(
+        default="coral/hf-token",
+        min_length=1,
+        description="Secret-manager name of the Hugging Face token, read by nodes at boot.",
+    )
+    max_model_len: int = Field(default=8192, gt=0)
+    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
+    disk_headroom_gb: int = Field(default=100, ge=20, description="Root disk beyond weights.")
+    aws_ami_parameter: str = Field(
+        default="/aws/service/deeplearning/ami/x86_64/"
+        "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
+        description="Public SSM parameter holding the Deep Learning AMI id (per region).",
+    )
+    gcp_image: str = Field(
+        default="projects/deeplearning-platform-release/global/images/family/"
+        "common-cu129-ubuntu-2204-nvidia-580",
+        description="GCP image family (Ubuntu: honours cloud-init user-data).",
+    )
+    gcp_zones: dict[str, str] = Field(
+        default_factory=dict, description="Region -> zone (default <region>-a)."
+    )
+    rebuild_library: bool = Field(
+        default=False, description="Rebuild a stale template library instead of failing."
+    )
+
+    @model_validator(mode="after")
+    def _cidrs(self) -> DeploySettings:
+        import ipaddress
+
+        for i, cidr in enumerate(self.api_cidrs):
+            try:
+                ipaddress.IPv4Network(cidr)
+            except ValueError as e:
+                raise ValueError(f"api_cidrs[{i}]: '{cidr}' is not an IPv4 CIDR ({e})") from e
+        return self
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -173,6 +219,7 @@ class FleetConfig(BaseModel):
     gpu_pools: list[GpuPool] = Field(default_factory=list)
     prices: list[PriceOverride] = Field(default_factory=list)
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
+    deploy: DeploySettings = Field(default_factory=DeploySettings)
 
     @model_validator(mode="after")
     def _consistent(self) -> FleetConfig:

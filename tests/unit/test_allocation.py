@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from coral_iac.cli import app
-from coral_iac.plan_cli import diff_plans
 from solver.errors import InputError
 from solver.io import parse_model
+from solver.plan import diff_plans
 from solver.planner import plan_stack
 from solver.stack import FleetConfig
 from solver.validate import InvalidPlan, validate_plan

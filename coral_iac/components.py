@@ -1,0 +1,173 @@
+"""`ServingInstance`: one template instance in one region, i.e. one replica's nodes.
+
+Every node is an `aws.ec2.Instance` or `gcp.compute.Instance` through its region's explicit
+provider. Each boots from user-data rendered by `coral_iac/bootstrap.py`. The head node (node
+rank 0) is declared first, and its private IP flows into the other nodes' user-data as an
+Output. Logical names come from the stable replica key, so an unchanged replica never changes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from dataclasses import dataclass
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_gcp as gcp
+
+from coral_iac.bootstrap import (
+    DECODE_PORT,
+    PREFILL_PORT,
+    NodeBoot,
+    RouterSpec,
+    render_user_data,
+)
+from coral_iac.infra import Identity, Region, slug
+from solver.catalog import Offer
+
+
+@dataclass(frozen=True)
+class ServingInstanceArgs:
+    """Typed inputs of one serving instance."""
+
+    stack: str
+    replica_key: str
+    model: str
+    phase: str
+    template: str
+    offers: list[Offer]  # per node, the offer that realises its node config in this region
+    boots: list[NodeBoot]  # per node that runs vLLM processes (same order as offers)
+    region: Region
+    identity: Identity
+    group: pulumi.Input[str]  # AWS security group id, or GCP network tag
+    weights_gb: float
+    disk_headroom_gb: int
+    router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
+
+
+class ServingInstance(pulumi.ComponentResource):
+    """The nodes of one replica; `head_private_ip` and `head_public_ip` locate its API."""
+
+    head_private_ip: pulumi.Output[str]
+    head_public_ip: pulumi.Output[str]
+
+    def __init__(
+        self, name: str, args: ServingInstanceArgs, opts: pulumi.ResourceOptions | None = None
+    ):
+        super().__init__("coral:fleet:ServingInstance", name, None, opts)
+        child = pulumi.ResourceOptions(parent=self, provider=args.region.provider)
+        disk_gb = int(math.ceil(args.weights_gb * 1.1)) + args.disk_headroom_gb
+        order = sorted(range(len(args.boots)), key=lambda k: not args.boots[k].is_head)
+        head_ip: pulumi.Output[str] | None = None
+        nodes: dict[int, pulumi.CustomResource] = {}
+        for k in order:  # head first: the others need its private IP
+            boot, offer = args.boots[k], args.offers[k]
+            if boot.is_head and args.router_prefill_ips:
+                user_data = pulumi.Output.all(*args.router_prefill_ips).apply(
+                    lambda ips, b=boot: render_user_data(
+                        b.model_copy(update={"router": _router(ips)}), ""
+                    )
+                )
+            elif boot.is_head:
+                user_data = pulumi.Output.from_input(render_user_data(boot, ""))
+            else:
+                assert head_ip is not None
+                user_data = head_ip.apply(lambda ip, b=boot: render_user_data(b, ip))
+            tags = {
+                "coral:stack": args.stack,
+                "coral:model": args.model,
+                "coral:phase": args.phase,
+                "coral:template": args.template,
+                "coral:replica": args.replica_key,
+                "coral:node": str(boot.node_index),
+                "coral:stages": ",".join(str(p.rank) for p in boot.processes),
+            }
+            node_name = f"{name}.n{boot.node_index}"
+            if args.region.cloud == "aws":
+                node = self._aws_node(node_name, args, offer, user_data, tags, disk_gb, child)
+                private_ip, public_ip = node.private_ip, node.public_ip
+            else:
+                node = self._gcp_node(node_name, args, offer, user_data, tags, disk_gb, child)
+                private_ip = node.network_interfaces.apply(lambda nis: nis[0].network_ip)
+                public_ip = node.network_interfaces.apply(
+                    lambda nis: nis[0].access_configs[0].nat_ip if nis[0].access_configs else ""
+                )
+            nodes[k] = node
+            if boot.is_head:
+                head_ip = private_ip
+                self.head_private_ip = private_ip
+                self.head_public_ip = public_ip
+        self.register_outputs(
+            {"head_private_ip": self.head_private_ip, "head_public_ip": self.head_public_ip}
+        )
+
+    @staticmethod
+    def _aws_node(name, args, offer, user_data, tags, disk_gb, opts) -> aws.ec2.Instance:
+        return aws.ec2.Instance(
+            name,
+            ami=args.region.image,
+            instance_type=offer.instance_type,
+            subnet_id=args.region.subnet_id,
+            vpc_security_group_ids=[args.group],
+            iam_instance_profile=args.identity.aws_instance_profile,
+            user_data=user_data,
+            user_data_replace_on_change=True,
+            metadata_options={
+                "http_tokens": "required",
+                "http_endpoint": "enabled",
+                "http_put_response_hop_limit": 1,
+            },
+            root_block_device={"volume_size": disk_gb, "volume_type": "gp3", "encrypted": True},
+            tags=tags
+            | {"Name": f"coral-{args.stack}-{slug(args.replica_key)}-{tags['coral:node']}"},
+            opts=opts,
+        )
+
+    @staticmethod
+    def _gcp_node(name, args, offer, user_data, tags, disk_gb, opts) -> gcp.compute.Instance:
+        machine, _, accelerator = offer.instance_type.partition("+")
+        guest = []
+        if accelerator:  # N1 + attached GPUs, e.g. "n1-standard-4+1xT4"
+            count, _, gpu = accelerator.partition("x")
+            guest = [{"type": f"nvidia-tesla-{gpu.lower()}", "count": int(count)}]
+        digest = hashlib.sha256(args.replica_key.encode()).hexdigest()[:10]
+        labels = {k.replace("coral:", "coral-"): _label(v) for k, v in tags.items()}
+        return gcp.compute.Instance(
+            name,
+            name=f"coral-{args.stack}-{digest}-n{tags['coral:node']}"[:63],
+            machine_type=machine,
+            zone=args.region.zone,
+            boot_disk={
+                "initialize_params": {
+                    "image": args.region.image,
+                    "size": disk_gb,
+                    "type": "pd-balanced",
+                }
+            },
+            network_interfaces=[{"subnetwork": args.region.subnet_id, "access_configs": [{}]}],
+            scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True},
+            guest_accelerators=guest,
+            metadata={"user-data": user_data, "install-nvidia-driver": "True"},
+            service_account={
+                "email": args.identity.gcp_service_account,
+                "scopes": ["cloud-platform"],
+            },
+            tags=[args.group],
+            labels=labels,
+            opts=opts,
+        )
+
+
+def _router(prefill_ips: list[str]) -> RouterSpec:
+    """The decode node's router: every prefill head of the model in its region, and itself."""
+    return RouterSpec(
+        prefill_urls=[f"http://{ip}:{PREFILL_PORT}" for ip in prefill_ips],
+        decode_urls=[f"http://127.0.0.1:{DECODE_PORT}"],
+    )
+
+
+def _label(value: str) -> str:
+    """GCP label values: lowercase letters, digits, - and _, at most 63 characters."""
+    out = "".join(c if c.isalnum() or c in "-_" else "_" for c in value.lower())
+    return out[:63]

@@ -1,0 +1,260 @@
+"""Per-region (and per-stack) infrastructure the serving instances share.
+
+- AWS, per region: an explicit provider, the Deep Learning AMI id from its public SSM
+  parameter, and a VPC with one public subnet (nodes download weights; inbound traffic is
+  limited by security groups). Per stack: an IAM role and instance profile that may read only
+  the Hugging Face token secret.
+- GCP, per region: an explicit provider and a subnetwork of the stack's network. Per stack: the
+  network, and a service account with secretAccessor on the token secret only.
+- Per (model, region), a security group or firewall rules. Nodes of one model in one region
+  reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
+  instance must reach its decode router. The API port is open only to `deploy.api_cidrs`, and
+  only where an endpoint runs. Nothing else is open: no SSH.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import pulumi
+import pulumi_aws as aws
+import pulumi_gcp as gcp
+
+from solver.stack import DeploySettings
+
+
+def slug(text: str) -> str:
+    """A logical-name-safe, stable form of a key (replica keys contain / : * +)."""
+    return text.replace("/", ".").replace(":", "-").replace("*", "x").replace("+", "_")
+
+
+@dataclass
+class Region:
+    """What every node in one (cloud, region) is declared with."""
+
+    cloud: str
+    region: str
+    provider: pulumi.ProviderResource
+    image: pulumi.Input[str]
+    subnet_id: pulumi.Output[str]
+    network: pulumi.Output[str] | None = None  # GCP network self-link
+    zone: str = ""
+    groups: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # model -> SG id / tag
+
+
+@dataclass
+class Identity:
+    """How nodes authenticate to the secret manager (no token in user-data)."""
+
+    aws_instance_profile: pulumi.Output[str] | None = None
+    gcp_service_account: pulumi.Output[str] | None = None
+
+
+class Infra:
+    """Creates shared resources on first use, so unused regions and clouds cost nothing."""
+
+    def __init__(self, stack: str, deploy: DeploySettings) -> None:
+        self.stack, self.deploy = stack, deploy
+        self.regions: dict[tuple[str, str], Region] = {}
+        self.identity = Identity()
+        self._gcp_network: gcp.compute.Network | None = None
+
+    def region(self, cloud: str, region: str) -> Region:
+        key = (cloud, region)
+        if key not in self.regions:
+            index = len(self.regions)  # distinct CIDRs per region, in plan order
+            self.regions[key] = (
+                self._aws(region, index) if cloud == "aws" else self._gcp(region, index)
+            )
+        return self.regions[key]
+
+    # ---------------------------------------------------------------- AWS
+
+    def _aws(self, region: str, index: int) -> Region:
+        provider = aws.Provider(f"aws-{region}", region=region)
+        opts = pulumi.ResourceOptions(provider=provider)
+        image = aws.ssm.get_parameter_output(
+            name=self.deploy.aws_ami_parameter,
+            opts=pulumi.InvokeOutputOptions(provider=provider),
+        ).value
+        tags = {"coral:stack": self.stack}
+        cidr = f"10.{index}.0.0/16"
+        vpc = aws.ec2.Vpc(
+            f"vpc-{region}", cidr_block=cidr, enable_dns_hostnames=True, tags=tags, opts=opts
+        )
+        gateway = aws.ec2.InternetGateway(f"igw-{region}", vpc_id=vpc.id, tags=tags, opts=opts)
+        subnet = aws.ec2.Subnet(
+            f"subnet-{region}",
+            vpc_id=vpc.id,
+            cidr_block=f"10.{index}.0.0/20",
+            map_public_ip_on_launch=True,
+            tags=tags,
+            opts=opts,
+        )
+        routes = aws.ec2.RouteTable(
+            f"routes-{region}",
+            vpc_id=vpc.id,
+            routes=[{"cidr_block": "0.0.0.0/0", "gateway_id": gateway.id}],
+            tags=tags,
+            opts=opts,
+        )
+        aws.ec2.RouteTableAssociation(
+            f"routes-{region}", subnet_id=subnet.id, route_table_id=routes.id, opts=opts
+        )
+        if self.identity.aws_instance_profile is None:
+            self.identity.aws_instance_profile = self._aws_identity(provider)
+        r = Region("aws", region, provider, image, subnet.id)
+        r.network = vpc.id
+        return r
+
+    def _aws_identity(self, provider: pulumi.ProviderResource) -> pulumi.Output[str]:
+        opts = pulumi.ResourceOptions(provider=provider)
+        role = aws.iam.Role(
+            "node-role",
+            assume_role_policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": "sts:AssumeRole",
+                            "Principal": {"Service": "ec2.amazonaws.com"},
+                        }
+                    ],
+                }
+            ),
+            tags={"coral:stack": self.stack},
+            opts=opts,
+        )
+        aws.iam.RolePolicy(
+            "node-read-hf-token",
+            role=role.id,
+            policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": "secretsmanager:GetSecretValue",
+                            "Resource": f"arn:aws:secretsmanager:*:*:secret:{self.deploy.hf_token_secret}-*",
+                        }
+                    ],
+                }
+            ),
+            opts=opts,
+        )
+        profile = aws.iam.InstanceProfile("node-profile", role=role.name, opts=opts)
+        return profile.name
+
+    def aws_group(self, r: Region, model: str, public: bool) -> pulumi.Output[str]:
+        """Security group of one model's nodes in one region (see the module doc)."""
+        if model not in r.groups:
+            ingress: list[dict[str, Any]] = [
+                {
+                    "protocol": "-1",
+                    "from_port": 0,
+                    "to_port": 0,
+                    "self": True,
+                    "description": "nodes of this model in this region (vLLM, NCCL, NIXL)",
+                }
+            ]
+            if public and self.deploy.api_cidrs:
+                port = self.deploy.api_port
+                ingress.append(
+                    {
+                        "protocol": "tcp",
+                        "from_port": port,
+                        "to_port": port,
+                        "cidr_blocks": list(self.deploy.api_cidrs),
+                        "description": "OpenAI-compatible API",
+                    }
+                )
+            group = aws.ec2.SecurityGroup(
+                f"sg-{model}-{r.region}",
+                description=f"Coral {self.stack}: {model} nodes in {r.region}",
+                vpc_id=r.network,
+                ingress=ingress,
+                egress=[
+                    {
+                        "protocol": "-1",
+                        "from_port": 0,
+                        "to_port": 0,
+                        "cidr_blocks": ["0.0.0.0/0"],
+                        "description": "weights, packages",
+                    }
+                ],
+                tags={"coral:stack": self.stack, "coral:model": model},
+                opts=pulumi.ResourceOptions(provider=r.provider),
+            )
+            r.groups[model] = group.id
+        return r.groups[model]
+
+    # ---------------------------------------------------------------- GCP
+
+    def _gcp(self, region: str, index: int) -> Region:
+        provider = gcp.Provider(f"gcp-{region}", region=region)
+        opts = pulumi.ResourceOptions(provider=provider)
+        if self._gcp_network is None:
+            self._gcp_network = gcp.compute.Network(
+                "network",
+                auto_create_subnetworks=False,
+                description=f"Coral {self.stack}",
+                opts=opts,
+            )
+            account = gcp.serviceaccount.Account(
+                "node-account",
+                account_id=f"coral-{self.stack}"[:28].rstrip("-"),
+                display_name=f"Coral {self.stack} GPU nodes",
+                opts=opts,
+            )
+            gcp.secretmanager.SecretIamMember(
+                "node-read-hf-token",
+                secret_id=self.deploy.hf_token_secret.replace("/", "-"),
+                role="roles/secretmanager.secretAccessor",
+                member=account.email.apply(lambda e: f"serviceAccount:{e}"),
+                opts=opts,
+            )
+            self.identity.gcp_service_account = account.email
+        subnet = gcp.compute.Subnetwork(
+            f"subnet-{region}",
+            region=region,
+            network=self._gcp_network.id,
+            ip_cidr_range=f"10.{100 + index}.0.0/20",
+            opts=opts,
+        )
+        zone = self.deploy.gcp_zones.get(region, f"{region}-a")
+        r = Region(
+            "gcp", region, provider, self.deploy.gcp_image, subnet.id, self._gcp_network.id, zone
+        )
+        return r
+
+    def gcp_tag(self, r: Region, model: str, public: bool) -> str:
+        """Network tag of one model's nodes in one region, with its firewall rules."""
+        tag = f"coral-{self.stack}-{model}"[:63].replace(".", "-").rstrip("-")
+        if model not in r.groups:
+            opts = pulumi.ResourceOptions(provider=r.provider)
+            gcp.compute.Firewall(
+                f"fw-{model}-{r.region}-internal",
+                network=r.network,
+                direction="INGRESS",
+                allows=[{"protocol": "tcp"}, {"protocol": "udp"}],
+                source_tags=[tag],
+                target_tags=[tag],
+                description="nodes of this model (vLLM, NCCL, NIXL)",
+                opts=opts,
+            )
+            if public and self.deploy.api_cidrs:
+                gcp.compute.Firewall(
+                    f"fw-{model}-{r.region}-api",
+                    network=r.network,
+                    direction="INGRESS",
+                    allows=[{"protocol": "tcp", "ports": [str(self.deploy.api_port)]}],
+                    source_ranges=list(self.deploy.api_cidrs),
+                    target_tags=[tag],
+                    description="OpenAI-compatible API",
+                    opts=opts,
+                )
+            r.groups[model] = pulumi.Output.from_input(tag)
+        return tag

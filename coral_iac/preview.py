@@ -1,0 +1,122 @@
+"""Run the Pulumi program in-process with Pulumi's own mocks: no CLI, no credentials.
+
+`preview_stack` loads `stacks/Pulumi.<stack>.yaml` into the runtime config, installs
+`CoralMocks` and runs `coral_iac.program.run` under `pulumi.runtime.test`. The real SDK and
+provider types register every resource. The mocks answer with deterministic fake IDs and IPs, so
+two runs with the same inputs record identical resources. Used by `coral preview`,
+`coral render` and the tests.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pulumi
+import yaml
+
+from solver.plan import Plan
+
+PROJECT = "coral"  # Pulumi.yaml's name: the config namespace
+
+
+@dataclass
+class Recorded:
+    """One resource the program declared."""
+
+    type: str
+    name: str
+    inputs: dict[str, Any]
+    provider: str | None
+
+
+@dataclass
+class CoralMocks(pulumi.runtime.Mocks):
+    """Deterministic answers for every resource and invoke the program uses."""
+
+    previous_outputs: dict[str, Any] = field(default_factory=dict)
+    resources: list[Recorded] = field(default_factory=list)
+
+    def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
+        self.resources.append(Recorded(args.typ, args.name, dict(args.inputs), args.provider))
+        state = dict(args.inputs)
+        if args.typ == "pulumi:pulumi:StackReference":
+            state["outputs"] = self.previous_outputs
+        elif args.typ == "aws:ec2/instance:Instance":
+            state["privateIp"] = _ip("10.0", args.name)
+            state["publicIp"] = _ip("198.51", args.name)  # TEST-NET-2: never a real host
+        elif args.typ == "gcp:compute/instance:Instance":
+            nics = [dict(n) for n in state.get("networkInterfaces", [])] or [{}]
+            nics[0]["networkIp"] = _ip("10.100", args.name)
+            nics[0]["accessConfigs"] = [{"natIp": _ip("203.0", args.name)}]  # TEST-NET-3
+            state["networkInterfaces"] = nics
+        elif args.typ == "gcp:serviceaccount/account:Account":
+            state["email"] = f"{state.get('accountId', 'sa')}@project.iam.gserviceaccount.com"
+        return f"{args.name}-id", state
+
+    def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[Any]]:
+        if args.token == "aws:ssm/getParameter:getParameter":
+            return {
+                "name": args.args.get("name"),
+                "type": "String",
+                "value": "ami-0mock0dlami0gpu",
+            }, []
+        return {}, []
+
+
+def _ip(prefix: str, name: str) -> str:
+    digest = hashlib.sha256(name.encode()).digest()
+    return f"{prefix}.{digest[0]}.{1 + digest[1] % 254}"
+
+
+def stack_config(stacks_dir: Path, stack: str) -> dict[str, str]:
+    """The stack file's config as the runtime holds it: structured values JSON-encoded."""
+    from solver.errors import unknown_value
+
+    path = stacks_dir / f"Pulumi.{stack}.yaml"
+    if not path.exists():
+        known = sorted(p.name[7:-5] for p in stacks_dir.glob("Pulumi.*.yaml"))
+        raise unknown_value("--stack", stack, known, "stack")
+    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    return {
+        k: v if isinstance(v, str) else json.dumps(v) for k, v in (doc.get("config") or {}).items()
+    }
+
+
+@dataclass
+class PreviewResult:
+    resources: list[Recorded]
+    outputs: dict[str, Any]
+
+    @property
+    def plan(self) -> Plan:
+        return Plan.model_validate_json(self.outputs["plan"])
+
+    def of_type(self, typ: str) -> list[Recorded]:
+        return [r for r in self.resources if r.type == typ]
+
+
+def preview_stack(stack: str, stacks_dir: Path, previous: Plan | None = None) -> PreviewResult:
+    """Run the program for `stack` under mocks; `previous` plays the stack's last outputs."""
+    from coral_iac import program
+
+    config = stack_config(stacks_dir, stack)
+    pulumi.runtime.set_all_config(
+        {k if ":" in k else f"{PROJECT}:{k}": v for k, v in config.items()}
+    )
+    previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
+    mocks = CoralMocks(previous_outputs)
+    pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
+    exported: dict[str, Any] = {}
+
+    def body() -> pulumi.Output[Any]:
+        program.run()
+        root = pulumi.runtime.settings.get_root_resource()
+        outputs = getattr(root, "outputs", {}) or {}
+        return pulumi.Output.from_input(outputs).apply(exported.update)
+
+    pulumi.runtime.test(body)()
+    return PreviewResult(mocks.resources, exported)

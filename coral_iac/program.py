@@ -1,0 +1,234 @@
+"""The Pulumi program: plan the stack's fleet, then declare every node that serves it.
+
+`__main__.py` calls `run()`. The steps:
+
+1. Read `coral:fleet` from the stack config.
+2. Read the previous plan from the stack's own last outputs (a `StackReference` to itself).
+   Pulumi's state is what this program last declared, so nu0 is exactly the running fleet as
+   Pulumi knows it (`pulumi refresh` reconciles drift). Querying the clouds for tagged
+   instances would need credentials in preview and per-cloud listing code, for no gain.
+3. Load the template library from `.coral/library/<stack>`. A missing library is built; a stale
+   one is an error unless `deploy.rebuild_library` is set.
+4. Solve the allocation with nu0 = the previous plan, and validate the plan.
+5. Check the plan is deployable (vllm mode, budget, prefill/decode pairs per region).
+6. Declare each serving instance and export costs, the plan and the endpoints.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pulumi
+from pulumi.runtime.sync_await import _sync_await
+from rich.console import Console
+from rich.table import Table
+
+from coral_iac.bootstrap import node_boots
+from coral_iac.components import ServingInstance, ServingInstanceArgs
+from coral_iac.infra import Infra, slug
+from solver.defaults import load_perf_model
+from solver.errors import CoralError
+from solver.io import parse_model
+from solver.plan import Instance, Plan, diff_plans, template_ref
+from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.profile import PerfModel
+from solver.stack import FleetConfig
+from solver.validate import validate_plan
+
+LIBRARY_ROOT = Path(".coral/library")
+
+
+def read_fleet() -> FleetConfig:
+    raw = pulumi.Config("coral").require_object("fleet")
+    return parse_model(FleetConfig, raw, "coral:fleet")
+
+
+def previous_plan(stack: str) -> Plan | None:
+    """The plan this stack last deployed, from its own `plan` output (None on a new stack)."""
+    ref = pulumi.StackReference(
+        f"{pulumi.get_organization()}/{pulumi.get_project()}/{stack}",
+        opts=pulumi.ResourceOptions(retain_on_delete=True),
+    )
+    # Top-level program code is synchronous; the SDK's own sync invokes wait the same way.
+    details = _sync_await(ref.get_output_details("plan"))
+    text = details.value if details.value is not None else details.secret_value
+    return Plan.model_validate_json(text) if text else None
+
+
+def make_plan(stack: str, fleet: FleetConfig, perf: PerfModel, previous: Plan | None) -> Plan:
+    libs = libraries_for(
+        perf,
+        fleet,
+        list(stack_demand(fleet)),
+        LIBRARY_ROOT / stack,
+        build_missing=True,
+        rebuild_stale=fleet.deploy.rebuild_library,
+    )
+    plan = plan_stack(stack, fleet, perf.catalog, libs, previous)
+    return validate_plan(plan, fleet, perf.catalog, perf.cards)
+
+
+def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
+    """Fail the preview (not a node at boot) when the plan cannot run as declared."""
+    problems = []
+    if fleet.library.mode != "vllm":
+        problems.append(
+            f"coral:fleet.library.mode is '{fleet.library.mode}': only 'vllm' placements run on "
+            "stock vLLM; set mode: vllm (use general for benchmarks only)"
+        )
+    budget = fleet.allocation.budget_usd_per_hour
+    if budget is not None and any(line.startswith("budget") for line in plan.binding):
+        problems.append(
+            f"the plan exceeds the budget: {budget} $/hour serves only "
+            f"{plan.served_fraction:.1%} of demand; raise coral:fleet.allocation."
+            "budget_usd_per_hour or lower demand"
+        )
+    pairs: dict[tuple[str, str, str], set[str]] = {}
+    for i in plan.instances:
+        if i.phase in ("prefill", "decode"):
+            pairs.setdefault((i.model, i.cloud, i.region), set()).add(i.phase)
+    for (model, cloud, region), phases in sorted(pairs.items()):
+        if phases != {"prefill", "decode"}:
+            problems.append(
+                f"{model} has only {'/'.join(sorted(phases))} instances in {cloud}:{region}; a "
+                "disaggregated pair needs both in one region (KV moves over the private "
+                "network). Restrict the model's regions, or set serving: aggregated"
+            )
+    if problems:
+        raise pulumi.RunError("Coral cannot deploy this plan:\n  " + "\n  ".join(problems))
+
+
+def declare(plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str) -> dict[str, Any]:
+    """Every serving instance of the plan; returns the endpoints per model."""
+    infra = Infra(stack, fleet.deploy)
+    deploy = fleet.deploy
+    endpoints: dict[str, list[pulumi.Output[str]]] = {}
+    prefill_heads: dict[tuple[str, str], list[pulumi.Output[str]]] = {}
+    # Prefill before decode: a decode node's router needs the prefill heads' addresses.
+    order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
+    for inst in order:
+        template = plan.templates[template_ref(inst.model, inst.phase, inst.template)]
+        spec = fleet.models[inst.model]
+        card = perf.card(inst.model)
+        boots = node_boots(
+            template=template,
+            layers=card.layers,
+            cloud=inst.cloud,  # type: ignore[arg-type]
+            region=inst.region,
+            stack=stack,
+            replica_key=inst.key,
+            hf_repo=card.hf_repo,
+            disaggregated=spec.serving == "disaggregated",
+            max_model_len=deploy.max_model_len,
+            api_port=deploy.api_port,
+            hf_token_secret=deploy.hf_token_secret,
+            gpu_memory_utilization=deploy.gpu_memory_utilization,
+        )
+        region = infra.region(inst.cloud, inst.region)
+        public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
+        group = (
+            infra.aws_group(region, inst.model, public=_has_endpoint(plan, inst))
+            if inst.cloud == "aws"
+            else infra.gcp_tag(region, inst.model, public=_has_endpoint(plan, inst))
+        )
+        offers = [_offer(perf, inst, n) for n in template.nodes]
+        router_ips = (
+            prefill_heads.get((inst.model, inst.region)) if inst.phase == "decode" else None
+        )
+        component = ServingInstance(
+            slug(inst.key),
+            ServingInstanceArgs(
+                stack=stack,
+                replica_key=inst.key,
+                model=inst.model,
+                phase=inst.phase,
+                template=inst.template,
+                offers=offers,
+                boots=boots,
+                region=region,
+                identity=infra.identity,
+                group=group,
+                weights_gb=card.weight_bytes / 1e9,
+                disk_headroom_gb=deploy.disk_headroom_gb,
+                router_prefill_ips=router_ips,
+            ),
+        )
+        if inst.phase == "prefill":
+            prefill_heads.setdefault((inst.model, inst.region), []).append(
+                component.head_private_ip
+            )
+        if public:
+            endpoints.setdefault(inst.model, []).append(
+                component.head_public_ip.apply(lambda ip: f"http://{ip}:{deploy.api_port}/v1")
+            )
+    return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}
+
+
+def _has_endpoint(plan: Plan, inst: Instance) -> bool:
+    return any(
+        i.model == inst.model and i.region == inst.region and i.phase in ("decode", "aggregated")
+        for i in plan.instances
+    )
+
+
+def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
+    for o in perf.catalog.offers_for(node):
+        if (o.cloud, o.region) == (inst.cloud, inst.region):
+            return o
+    raise pulumi.RunError(
+        f"{inst.key}: no instance type sells {node} in {inst.cloud}:{inst.region} (a price "
+        "override without a catalog offer cannot be deployed); add the offer to the catalog"
+    )
+
+
+def cost_diff_table(previous: Plan | None, plan: Plan) -> str:
+    """One screen: $/hour per model before and after, instances added and removed."""
+    empty = plan.model_copy(update={"instances": [], "hourly_cost_usd": 0.0})
+    diff = diff_plans(previous or empty, plan)
+    table = Table(
+        title=f"Coral plan: {plan.hourly_cost_usd:,.2f} $/hour "
+        f"({diff['hourly_cost_delta_usd']:+,.2f}), served {plan.served_fraction:.1%}"
+    )
+    for col in ("model", "$/hour before", "$/hour after", "added", "removed"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for model, row in diff["by_model"].items():
+        table.add_row(
+            model,
+            f"{row['before']:,.2f}",
+            f"{row['after']:,.2f}",
+            str(row["added"]),
+            str(row["removed"]),
+        )
+    buffer = io.StringIO()
+    Console(file=buffer, width=100, force_terminal=False).print(table)
+    return buffer.getvalue()
+
+
+def run() -> None:
+    """The program `__main__.py` runs."""
+    stack = pulumi.get_stack()
+    try:
+        fleet = read_fleet()
+        previous = previous_plan(stack)
+        perf = load_perf_model()
+        plan = make_plan(stack, fleet, perf, previous)
+    except CoralError as e:
+        raise pulumi.RunError(str(e)) from None
+    check_deployable(plan, fleet)
+    pulumi.log.info(cost_diff_table(previous, plan))
+    endpoints = declare(plan, fleet, perf, stack)
+    by_region: dict[str, dict[str, int]] = {}
+    for i in plan.instances:
+        where = by_region.setdefault(f"{i.cloud}:{i.region}", {})
+        where[f"{i.model}/{i.phase}/{i.template}"] = (
+            where.get(f"{i.model}/{i.phase}/{i.template}", 0) + 1
+        )
+    pulumi.export("hourly_cost_usd", plan.hourly_cost_usd)
+    pulumi.export("cost_by_model", plan.cost_by_model)
+    pulumi.export("served_fraction", plan.served_fraction)
+    pulumi.export("instances_by_region", by_region)
+    pulumi.export("endpoints", endpoints)
+    pulumi.export("plan", json.dumps(plan.model_dump(mode="json"), sort_keys=True))
