@@ -86,6 +86,8 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
             f"{plan.served_fraction:.1%} of demand; raise coral:fleet.allocation."
             "budget_usd_per_hour or lower demand"
         )
+    if plan.served_fraction == 0 and plan.jobs:
+        problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
     pairs: dict[tuple[str, str, str], set[str]] = {}
     for i in plan.instances:
         if i.phase in ("prefill", "decode"):
@@ -219,6 +221,11 @@ def run() -> None:
         raise pulumi.RunError(str(e)) from None
     check_deployable(plan, fleet)
     pulumi.log.info(cost_diff_table(previous, plan))
+    if plan.served_fraction < 1:
+        pulumi.log.warn(
+            f"scarce: the plan serves {plan.served_fraction:.1%} of every model's demand. "
+            + " ".join(f"Limited by: {line}." for line in plan.binding)
+        )
     endpoints = declare(plan, fleet, perf, stack)
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:

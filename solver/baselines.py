@@ -47,7 +47,8 @@ def homo_solution(
             hi = mid
     if best is None:
         return full
-    return Solution(best.counts, round(lo, 4), None, full.binding)
+    # Floor, not round: the reported fraction must never exceed what the counts serve.
+    return Solution(best.counts, math.floor(lo * 10_000) / 10_000, None, full.binding)
 
 
 def _homo_greedy(

@@ -309,6 +309,7 @@ def load_library(
         raise InputError(
             str(path),
             f"stale library: input(s) changed since it was built: {', '.join(changed)}",
-            "rebuild it (`coral templates build ... --rebuild`)",
+            "rebuild it with `coral templates build --stack STACK --out DIR` (`coral plan` "
+            "rebuilds its own cache; for `pulumi up` set coral:fleet.deploy.rebuild_library)",
         )
     return lib

@@ -1,0 +1,218 @@
+"""Rendered node bootstrap: golden files, cloud-init schema, shellcheck, vLLM's argument list.
+
+Golden files live in tests/golden/bootstrap/<case>/; `CORAL_ACCEPT=1 scripts/test` rewrites them.
+cloud-init and shellcheck are Debian tools that `scripts/test` installs.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+
+from coral_iac.bootstrap import (
+    MASTER_ADDR_VAR,
+    NodeBoot,
+    RouterSpec,
+    node_boots,
+    render_user_data,
+    vllm_argv,
+)
+from solver.errors import InputError
+from solver.template import ServingTemplate, Stage, StageMember
+from tests.conftest import REPO
+from tests.vllm_cli import check_replica
+
+GOLDEN = REPO / "tests" / "golden" / "bootstrap"
+HEAD_IP = "10.0.7.21"
+LAYERS = {"phi-4": 40, "qwen3-32b": 64, "llama3.1-70b": 80}
+HF = {
+    "phi-4": "microsoft/phi-4",
+    "qwen3-32b": "Qwen/Qwen3-32B",
+    "llama3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
+}
+
+
+def template(model, phase, nodes, stages):
+    """stages: [(layers, node, gpus, tp)] in pipeline order."""
+    return ServingTemplate(
+        key="+".join(nodes),
+        model=model,
+        phase=phase,
+        mode="vllm",
+        nodes=nodes,
+        stages=[
+            Stage(layers=j, members=[StageMember(node=n, gpus=g, tp=tp)]) for j, n, g, tp in stages
+        ],
+        throughput=100.0,
+        unit="requests/s" if phase == "aggregated" else "tokens/s",
+        stage_budget_ms=[100.0],
+    )
+
+
+def boots_for(
+    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2"
+) -> list[NodeBoot]:
+    return node_boots(
+        template=t,
+        layers=LAYERS[t.model],
+        cloud=cloud,
+        region=region,
+        stack="golden",
+        replica_key=f"{t.model}/{t.phase}/{cloud}:{region}/{t.key}/0",
+        hf_repo=HF[t.model],
+        disaggregated=disaggregated,
+        max_model_len=8192,
+        api_port=8000,
+        hf_token_secret="coral/hf-token",
+    )
+
+
+def cases() -> dict[str, list[NodeBoot]]:
+    single = template("phi-4", "aggregated", ["l40sx1"], [(40, 0, [0], 1)])
+    mixed = template(  # one process per GPU: l4x4's four GPUs, then the l40sx1
+        "qwen3-32b",
+        "aggregated",
+        ["l40sx1", "l4x4"],
+        [(10, 1, [0], 1), (10, 1, [1], 1), (10, 1, [2], 1), (10, 1, [3], 1), (24, 0, [0], 1)],
+    )
+    uniform = template(
+        "llama3.1-70b",
+        "aggregated",
+        ["l4x4", "l4x4"],
+        [(40, 0, [0, 1, 2, 3], 4), (40, 1, [0, 1, 2, 3], 4)],
+    )
+    prefill = template(
+        "qwen3-32b", "prefill", ["l40sx1", "l40sx1"], [(30, 0, [0], 1), (34, 1, [0], 1)]
+    )
+    decode = template("qwen3-32b", "decode", ["l40sx4"], [(64, 0, [0, 1, 2, 3], 4)])
+    router = RouterSpec(
+        prefill_urls=[f"http://{HEAD_IP}:8100"], decode_urls=["http://127.0.0.1:8200"]
+    )
+    pd_decode = [b.model_copy(update={"router": router}) for b in boots_for(decode, True)]
+    return {
+        "single-node": boots_for(single, False),
+        "mixed-node-sizes-per-gpu": boots_for(mixed, False),
+        "uniform-tp-multi-node": boots_for(uniform, False, cloud="gcp", region="us-central1"),
+        "disaggregated-prefill": boots_for(prefill, True),
+        "disaggregated-decode": pd_decode,
+    }
+
+
+def rendered(boot: NodeBoot) -> str:
+    return render_user_data(boot, "" if boot.is_head else HEAD_IP)
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_user_data_matches_golden(case):
+    for boot in cases()[case]:
+        path = GOLDEN / case / f"node{boot.node_index}.yaml"
+        text = rendered(boot)
+        if os.environ.get("CORAL_ACCEPT") == "1":
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text, encoding="utf-8")
+        assert path.exists(), f"no golden file {path}; run with CORAL_ACCEPT=1 to create it"
+        assert text == path.read_text(encoding="utf-8"), (
+            f"{path} differs (CORAL_ACCEPT=1 to accept)"
+        )
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: scripts/test installs it (apt-get install {name})"
+    return path
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_user_data_passes_cloud_init_schema(case, tmp_path):
+    cloud_init = _tool("cloud-init")
+    for boot in cases()[case]:
+        f = tmp_path / f"node{boot.node_index}.yaml"
+        f.write_text(rendered(boot), encoding="utf-8")
+        r = subprocess.run(
+            [cloud_init, "schema", "--config-file", str(f)], capture_output=True, text=True
+        )
+        assert r.returncode == 0, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_rendered_scripts_pass_shellcheck(case, tmp_path):
+    shellcheck = _tool("shellcheck")
+    for boot in cases()[case]:
+        doc = yaml.safe_load(rendered(boot))
+        scripts = [w for w in doc["write_files"] if w["path"].startswith("/usr/local/bin/")]
+        assert len(scripts) == 2
+        for w in scripts:
+            f = tmp_path / w["path"].rsplit("/", 1)[1]
+            f.write_text(w["content"], encoding="utf-8")
+            r = subprocess.run([shellcheck, "--shell=bash", str(f)], capture_output=True, text=True)
+            assert r.returncode == 0, f"{case} {w['path']}:\n{r.stdout}"
+
+
+@pytest.mark.parametrize("case", sorted(cases()))
+def test_vllm_command_lines_parse_for_the_pinned_version(case):
+    boots = cases()[case]
+    argvs = [vllm_argv(b, p, HEAD_IP) for b in boots for p in b.processes]
+    check_replica(argvs, boots[0].layer_partition, LAYERS[boots[0].model])
+    for b in boots:  # the rendered script carries exactly these arguments, quoted for bash
+        assert MASTER_ADDR_VAR in rendered(b) or b.nnodes == 1
+
+
+def test_user_data_holds_no_secret(monkeypatch):
+    """The token is fetched at boot from the secret manager; nothing secret is rendered."""
+    monkeypatch.setenv("HF_TOKEN", "hf_THIS_MUST_NOT_LEAK")
+    for boots in cases().values():
+        for b in boots:
+            text = rendered(b)
+            assert "hf_THIS_MUST_NOT_LEAK" not in text and "HF_TOKEN=" not in text.replace(
+                'HF_TOKEN="$(hf_token)"', ""
+            )
+            assert (
+                "secretsmanager get-secret-value" in text
+                or "gcloud secrets versions access" in text
+            )
+
+
+def test_head_is_the_node_hosting_rank_zero():
+    boots = cases()["mixed-node-sizes-per-gpu"]
+    head = [b for b in boots if b.is_head]
+    assert len(head) == 1 and head[0].node_index == 1  # the l4x4 node hosts stages 0-3
+    assert [p.rank for p in head[0].processes] == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    ("stages", "disaggregated", "phase", "message"),
+    [
+        ([(32, 0, [0], 1), (32, 1, [0], 1)], True, "decode", "PP=1"),
+        ([(32, 0, [0], 1), (30, 1, [0], 1)], False, "aggregated", "layer split"),
+        ([(32, 0, [0, 1], 2), (32, 1, [0], 1)], False, "aggregated", "TP sizes"),
+    ],
+)
+def test_unrunnable_templates_fail_before_boot(stages, disaggregated, phase, message):
+    t = template("qwen3-32b", phase, ["l40sx4", "l40sx1"], stages)
+    with pytest.raises(InputError, match=message):
+        boots_for(t, disaggregated)
+
+
+def test_data_parallel_stage_is_rejected():
+    t = ServingTemplate(
+        key="l40sx1*2",
+        model="qwen3-32b",
+        phase="prefill",
+        mode="general",
+        nodes=["l40sx1", "l40sx1"],
+        stages=[
+            Stage(
+                layers=64,
+                members=[StageMember(node=0, gpus=[0], tp=1), StageMember(node=1, gpus=[0], tp=1)],
+            )
+        ],
+        throughput=1.0,
+        unit="tokens/s",
+        stage_budget_ms=[1.0],
+    )
+    with pytest.raises(InputError, match="data parallel"):
+        boots_for(t, True)

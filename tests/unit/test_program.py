@@ -1,0 +1,192 @@
+"""The Pulumi program under Pulumi's own mocks (real SDK and provider types, no CLI or cloud)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pulumi
+import pytest
+import yaml
+
+from coral_iac import program
+from coral_iac.preview import preview_stack
+from solver.defaults import load_perf_model
+from tests.conftest import REPO
+
+PERF = load_perf_model()
+
+
+@pytest.fixture(autouse=True)
+def library_cache(tmp_path_factory, monkeypatch):
+    """One library folder for the whole session, outside the repository."""
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
+
+
+def stacks_with(tmp_path: Path, name: str, base: str = "dev", **fleet_changes) -> Path:
+    """A stacks folder holding `base` under `name`, with top-level coral:fleet keys replaced."""
+    doc = yaml.safe_load((REPO / "stacks" / f"Pulumi.{base}.yaml").read_text())
+    fleet = doc["config"]["coral:fleet"]
+    for key, value in fleet_changes.items():
+        fleet[key] = value
+    folder = tmp_path / "stacks"
+    folder.mkdir(exist_ok=True)
+    (folder / f"Pulumi.{name}.yaml").write_text(yaml.safe_dump(doc))
+    return folder
+
+
+def nodes_of(result):
+    return result.of_type("aws:ec2/instance:Instance") + result.of_type(
+        "gcp:compute/instance:Instance"
+    )
+
+
+def test_every_planned_node_is_declared_as_specified(tmp_path):
+    result = preview_stack("dev", REPO / "stacks")
+    plan = result.plan
+    expected = sum(len(i.nodes) for i in plan.instances)
+    aws_nodes = result.of_type("aws:ec2/instance:Instance")
+    assert len(aws_nodes) == expected > 0
+    providers = {r.name: r for r in result.of_type("pulumi:providers:aws")}
+    assert {p.inputs["region"] for p in providers.values()} == {"us-east-2"}
+    by_replica = {}
+    for node in aws_nodes:
+        tags = node.inputs["tags"]
+        by_replica.setdefault(tags["coral:replica"], []).append(node)
+        assert {"coral:stack", "coral:model", "coral:phase", "coral:template", "coral:node"} <= set(
+            tags
+        )
+        assert tags["coral:stack"] == "dev"
+        assert node.inputs["ami"] == "ami-0mock0dlami0gpu"  # from the per-region SSM lookup
+        assert node.inputs["metadataOptions"]["httpTokens"] == "required"  # IMDSv2
+        disk = node.inputs["rootBlockDevice"]
+        assert disk["encrypted"] is True
+        weights = PERF.card(tags["coral:model"]).weight_bytes / 1e9
+        assert disk["volumeSize"] >= weights
+        assert node.provider and "aws-us-east-2" in node.provider
+        assert node.inputs["userData"].startswith("#cloud-config")
+    for inst in plan.instances:
+        declared = by_replica[inst.key]
+        assert sorted(n.inputs["instanceType"] for n in declared) == sorted(
+            next(o for o in PERF.catalog.offers_for(n) if o.region == inst.region).instance_type
+            for n in inst.nodes
+        )
+    ssm = result.outputs["hourly_cost_usd"]
+    assert ssm == pytest.approx(plan.hourly_cost_usd)
+    assert set(result.outputs["endpoints"]) == {"phi-4"}
+
+
+def test_nothing_is_open_to_the_world_but_the_api_port(tmp_path):
+    stacks = stacks_with(
+        tmp_path, "open", deploy={"api_cidrs": ["203.0.113.0/24"], "api_port": 8443}
+    )
+    result = preview_stack("open", stacks)
+    groups = result.of_type("aws:ec2/securityGroup:SecurityGroup")
+    assert groups
+    for g in groups:
+        for rule in g.inputs.get("ingress", []):
+            if rule.get("cidrBlocks"):
+                assert rule["fromPort"] == rule["toPort"] == 8443 and rule["protocol"] == "tcp"
+                assert rule["cidrBlocks"] == ["203.0.113.0/24"]
+            else:
+                assert rule.get("self") is True  # only the model's own nodes
+        assert not any(r.get("fromPort") == 22 for r in g.inputs.get("ingress", []))
+
+
+def test_gcp_nodes_and_firewalls(tmp_path):
+    stacks = stacks_with(
+        tmp_path,
+        "g",
+        regions=[{"cloud": "gcp", "region": "us-central1"}],
+        node_configs=["l4x1", "l4x4", "a100-80gbx1"],
+        deploy={"api_cidrs": ["198.51.100.0/24"]},
+    )
+    result = preview_stack("g", stacks)
+    nodes = result.of_type("gcp:compute/instance:Instance")
+    assert len(nodes) == sum(len(i.nodes) for i in result.plan.instances) > 0
+    for n in nodes:
+        assert n.inputs["scheduling"]["onHostMaintenance"] == "TERMINATE"
+        assert n.inputs["metadata"]["user-data"].startswith("#cloud-config")
+        assert n.inputs["bootDisk"]["initializeParams"]["image"].startswith(
+            "projects/deeplearning-platform-release/global/images/family/"
+        )
+        assert len(n.inputs["name"]) <= 63
+    for fw in result.of_type("gcp:compute/firewall:Firewall"):
+        if fw.inputs.get("sourceRanges"):
+            assert fw.inputs["sourceRanges"] == ["198.51.100.0/24"]
+            assert fw.inputs["allows"] == [{"protocol": "tcp", "ports": ["8000"]}]
+        else:
+            assert fw.inputs["sourceTags"] == fw.inputs["targetTags"]
+
+
+def test_user_data_never_holds_the_token(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_TOKEN", "hf_SECRET_VALUE_1234")
+    pulumi.runtime.set_all_config({"coral:hfToken": "hf_SECRET_VALUE_1234"}, ["coral:hfToken"])
+    result = preview_stack("dev", REPO / "stacks")
+    for n in nodes_of(result):
+        assert "hf_SECRET_VALUE_1234" not in json.dumps(n.inputs)
+
+
+def declared(result) -> dict:
+    """(type, name) -> inputs of every resource but the stack's reference to itself."""
+    return {
+        (r.type, r.name): r.inputs
+        for r in result.resources
+        if r.type != "pulumi:pulumi:StackReference"
+    }
+
+
+def test_second_run_with_previous_outputs_changes_nothing():
+    first = preview_stack("dev", REPO / "stacks")
+    second = preview_stack("dev", REPO / "stacks", previous=first.plan)
+    assert declared(first) == declared(second)
+    assert len(first.resources) == len(second.resources)
+
+
+def test_demand_increase_only_adds_resources(tmp_path):
+    first = preview_stack("dev", REPO / "stacks")
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+    models = doc["config"]["coral:fleet"]["models"]
+    models["phi-4"]["demand"] = {"requests_per_s": 2.5}
+    stacks = stacks_with(tmp_path, "dev", models=models)
+    more = preview_stack("dev", stacks, previous=first.plan)
+    before = {
+        (r.type, r.name): r.inputs
+        for r in first.resources
+        if r.type != "pulumi:pulumi:StackReference"
+    }
+    after = {
+        (r.type, r.name): r.inputs
+        for r in more.resources
+        if r.type != "pulumi:pulumi:StackReference"
+    }
+    assert set(before) < set(after)
+    for key, inputs in before.items():
+        assert after[key] == inputs, f"{key} changed"
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"library": {"n_max": 4, "rho": 12, "mode": "general"}}, "only 'vllm' placements"),
+        ({"allocation": {"budget_usd_per_hour": 1}}, "exceeds the budget"),
+        ({"deploy": {"api_cidrs": ["not-a-cidr"]}}, "api_cidrs"),
+        ({"node_configs": ["l4x1"]}, "serves none of the demand"),
+    ],
+)
+def test_bad_config_or_unrunnable_plan_fails_the_preview(tmp_path, changes, message):
+    name = f"bad-{abs(hash(json.dumps(changes, sort_keys=True))) % 10**8}"
+    stacks = stacks_with(tmp_path, name, **changes)
+    with pytest.raises(Exception, match=message):
+        preview_stack(name, stacks)
+
+
+def test_a_stale_library_is_refused_unless_rebuild_is_asked(tmp_path):
+    preview_stack("stale", stacks_with(tmp_path, "stale"))
+    changed = stacks_with(tmp_path, "stale", node_configs=["l4x1", "l4x4", "l40sx1"])
+    with pytest.raises(Exception, match="stale library: input.* changed.*node_configs"):
+        preview_stack("stale", changed)
+    rebuilt = stacks_with(
+        tmp_path, "stale", node_configs=["l4x1", "l4x4", "l40sx1"], deploy={"rebuild_library": True}
+    )
+    assert preview_stack("stale", rebuilt).plan.served_fraction == 1
