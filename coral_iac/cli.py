@@ -13,6 +13,7 @@ import yaml
 from rich.table import Table
 
 from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.deploy_cli import register as register_deploy_commands
 from coral_iac.plan_cli import plan_app
 
 app = typer.Typer(
@@ -27,6 +28,7 @@ profile_app = typer.Typer(
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(profile_app, name="profile")
 app.add_typer(plan_app, name="plan")
+register_deploy_commands(app)
 
 DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
 

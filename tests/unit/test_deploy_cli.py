@@ -1,0 +1,60 @@
+"""`coral preview` and `coral render` (the program offline), and the repository's shell scripts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+
+import yaml
+from typer.testing import CliRunner
+
+from coral_iac import program
+from coral_iac.cli import app
+from tests.conftest import REPO
+
+runner = CliRunner()
+
+
+def test_preview_lists_nodes_and_cost(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json"])
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["outputs"]["hourly_cost_usd"] > 0
+    assert any(x["type"] == "aws:ec2/instance:Instance" for x in data["resources"])
+    r = runner.invoke(app, ["preview", "--stack", "dev"])
+    assert r.exit_code == 0 and "aws:us-east-2" in r.stdout and "$/hour" in r.stdout
+
+
+def test_render_writes_valid_user_data_per_node(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
+    out = tmp_path / "ud"
+    r = runner.invoke(app, ["render", "--stack", "dev", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    files = sorted(out.glob("*.yaml"))
+    assert files
+    for f in files:
+        doc = yaml.safe_load(f.read_text())
+        assert f.read_text().startswith("#cloud-config") and doc["runcmd"]
+
+
+def test_preview_unknown_stack_suggests_known(monkeypatch):
+    monkeypatch.chdir(REPO)
+    r = runner.invoke(app, ["preview", "--stack", "prd"])
+    assert r.exit_code == 1 and "prod" in r.output
+
+
+def test_repository_shell_scripts_pass_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "shellcheck is not installed: scripts/test installs it"
+    scripts = [
+        p
+        for p in (REPO / "scripts").iterdir()
+        if p.is_file() and p.read_text().startswith("#!/usr/bin/env bash")
+    ]
+    scripts.append(REPO / ".ci" / "run")
+    r = subprocess.run([shellcheck, *map(str, scripts)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
