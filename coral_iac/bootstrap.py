@@ -94,6 +94,11 @@ class NodeBoot(BaseModel):
         return f"/opt/coral/models/{self.model}"
 
 
+def secret_name(cloud: str, name: str) -> str:
+    """The token secret's name as each secret manager spells it (GCP allows no '/')."""
+    return name.replace("/", "-") if cloud == "gcp" else name
+
+
 def node_boots(
     *,
     template: ServingTemplate,
@@ -161,7 +166,7 @@ def node_boots(
             master_addr="",
             http_port=http_port,
             api_port=api_port,
-            hf_token_secret=hf_token_secret,
+            hf_token_secret=secret_name(cloud, hf_token_secret),
         )
         for k in range(len(template.nodes))
         if procs.get(k)

@@ -22,6 +22,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_gcp as gcp
 
+from coral_iac.bootstrap import secret_name
 from solver.stack import DeploySettings
 
 
@@ -211,7 +212,7 @@ class Infra:
             )
             gcp.secretmanager.SecretIamMember(
                 "node-read-hf-token",
-                secret_id=self.deploy.hf_token_secret.replace("/", "-"),
+                secret_id=secret_name("gcp", self.deploy.hf_token_secret),
                 role="roles/secretmanager.secretAccessor",
                 member=account.email.apply(lambda e: f"serviceAccount:{e}"),
                 opts=opts,

@@ -243,3 +243,8 @@ def test_cli_plan_errors(tmp_path, monkeypatch):
     assert r.exit_code == 1 and "--baseline" in r.output
     r = runner.invoke(app, ["plan", "diff", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
     assert r.exit_code == 1 and "no such plan file" in " ".join(r.output.split())
+
+
+def test_same_inputs_give_the_same_plan():
+    f = with_rps(3, 4)
+    assert plan_for(f).model_dump(exclude={"solver"}) == plan_for(f).model_dump(exclude={"solver"})

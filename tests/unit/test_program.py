@@ -111,6 +111,9 @@ def test_gcp_nodes_and_firewalls(tmp_path):
             "projects/deeplearning-platform-release/global/images/family/"
         )
         assert len(n.inputs["name"]) <= 63
+        assert "CORAL_HF_TOKEN_SECRET=coral-hf-token" in n.inputs["metadata"]["user-data"]
+    (member,) = result.of_type("gcp:secretmanager/secretIamMember:SecretIamMember")
+    assert member.inputs["secretId"] == "coral-hf-token"  # the same secret the nodes read
     for fw in result.of_type("gcp:compute/firewall:Firewall"):
         if fw.inputs.get("sourceRanges"):
             assert fw.inputs["sourceRanges"] == ["198.51.100.0/24"]
