@@ -15,6 +15,7 @@ from rich.table import Table
 from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
 from coral_iac.deploy_cli import register as register_deploy_commands
 from coral_iac.plan_cli import plan_app
+from coral_iac.sim_cli import register as register_simulate_command
 
 app = typer.Typer(
     help="Coral IaC: serve many LLMs on the cheapest mix of cloud GPUs.",
@@ -29,6 +30,7 @@ app.add_typer(catalog_app, name="catalog")
 app.add_typer(profile_app, name="profile")
 app.add_typer(plan_app, name="plan")
 register_deploy_commands(app)
+register_simulate_command(app)
 
 DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
 

@@ -46,7 +46,18 @@ def main(
     stacks: Annotated[list[str] | None, typer.Option(help="Stacks to run.")] = None,
     repeats: Annotated[int, typer.Option(help="Coral solves per stack (median time).")] = 5,
     markdown: Annotated[Path | None, typer.Option(help="Also write the table here.")] = None,
+    backends: Annotated[
+        list[str] | None,
+        typer.Option(help="Compare these OR-Tools backends instead (one solve each)."),
+    ] = None,
+    backend_stack: Annotated[str, typer.Option(help="Stack for --backends.")] = "paper-extended",
+    time_limit: Annotated[float, typer.Option(help="Time limit per solve for --backends.")] = 120,
 ) -> None:
+    if backends:
+        md = compare_backends(backend_stack, backends, time_limit)
+        if markdown:
+            markdown.write_text("\n".join(md) + "\n", encoding="utf-8")
+        return
     perf = load_perf_model()
     table = Table(title=f"Allocation: Coral vs baselines (solve time: median of {repeats})")
     cols = [
@@ -113,6 +124,38 @@ def main(
     )
     if markdown:
         markdown.write_text("\n".join(md) + "\n", encoding="utf-8")
+
+
+def compare_backends(stack: str, backends: list[str], time_limit: float) -> list[str]:
+    """One Coral solve per OR-Tools backend on one stack: status, objective, gap, seconds."""
+    perf = load_perf_model()
+    base = load_stack(ROOT / "stacks", stack)
+    family = "paper-core" if stack.startswith("paper-core") else "paper-extended"
+    libs = libraries_for(perf, base, list(stack_demand(base)), ROOT / ".coral/library" / family)
+    table = Table(
+        title=f"Backends on {stack} (time limit {time_limit:g} s, gap {base.allocation.relative_gap:.0%})"
+    )
+    for col in ("backend", "status", "$/hour", "gap", "solve s"):
+        table.add_column(col, justify="left" if col in ("backend", "status") else "right")
+    md = ["| backend | status | $/hour | gap | solve s |", "|---|---|---:|---:|---:|"]
+    for backend in backends:
+        settings = base.allocation.model_copy(
+            update={"backend": backend, "time_limit_s": time_limit}
+        )
+        fleet = base.model_copy(update={"allocation": settings})
+        p = plan_stack(stack, fleet, perf.catalog, libs)
+        assert p.solver is not None
+        row = [
+            backend,
+            p.solver.status,
+            f"{p.hourly_cost_usd:.2f}",
+            f"{100 * p.solver.gap:.2f}%",
+            f"{p.solver.solve_seconds:.1f}",
+        ]
+        table.add_row(*row)
+        md.append("| " + " | ".join(row) + " |")
+    console.print(table)
+    return md
 
 
 def _ratio(baseline: object, coral: object) -> str:

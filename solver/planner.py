@@ -176,12 +176,14 @@ def plan_stack(
     market = build_market(fleet, catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
     columns = make_columns(templates, market, demand)
+    # Capacity to buy: demand over the target utilization (headroom for queueing).
+    needed = {job: d / fleet.allocation.target_utilization for job, d in demand.items()}
     if method == "homo":
-        solution = homo_solution(fleet, market, demand, columns)
+        solution = homo_solution(fleet, market, needed, columns)
     else:
         if method == "cauchy":
             columns = cauchy_columns(columns)
         running = previous.counts() if previous is not None else {}
-        problem = Problem(demand, columns, market, fleet.allocation, running)
+        problem = Problem(needed, columns, market, fleet.allocation, running)
         solution = solve_allocation(problem)
     return plan_from_solution(stack, method, fleet, market, demand, columns, solution, libs)

@@ -211,8 +211,7 @@ class PerfModel:
             max_size = min(max_size, int(measured.max_x))
 
         def stage_ms(size: int) -> float:
-            layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
-            return j * layer + (hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0)
+            return self.stage_time_ms(model, cfg.id, tp, phase, size, context, j, hop)
 
         size = _largest_within(stage_ms, budget_ms, max_size)
         if size == 0:
@@ -228,6 +227,26 @@ class PerfModel:
             kv_capacity_tokens=kv_cap,
             source="measured" if measured is not None else "analytical",
         )
+
+    def stage_time_ms(
+        self,
+        model: ModelId,
+        node: str,
+        tp: int,
+        phase: Phase,
+        size: float,
+        context: float,
+        layers: int,
+        hop: bool,
+    ) -> float:
+        """One pipeline stage: `layers` layers at TP `tp` on `node`, plus its outgoing hop.
+
+        `size` is the decode batch or prefill token count; `context` the decode context or the
+        prompt length. The profile table and the simulator both time stages with this.
+        """
+        card, cfg = self.card(model), self.catalog.node(node)
+        layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
+        return layers * layer + (hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0)
 
     def _layer_ms(
         self,

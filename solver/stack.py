@@ -151,6 +151,13 @@ class AllocationSettings(BaseModel):
         description="K = node start-up time / adjustment interval; 0.1 = 6 min boot and model "
         "load over the paper's 60 min interval (paper Sec. 6.1).",
     )
+    target_utilization: float = Field(
+        default=1.0,
+        gt=0,
+        le=1,
+        description="Plan capacity = demand / this. 1.0 is the paper's formulation; the "
+        "simulator shows queueing then breaks SLOs, so production stacks should use less.",
+    )
     budget_usd_per_hour: float | None = Field(default=None, gt=0)
     backend: Backend = Field(
         default="scip", description="SCIP: fastest of the three here (docs/allocation.md)."

@@ -1,0 +1,78 @@
+"""`coral simulate`: replay generated (or real) traces against a plan in the event simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from coral_iac.console import STACKS_DIR, out, print_json, reports_errors
+
+
+def simulate_cmd(
+    stack: Annotated[str, typer.Option(help="Stack name (SLOs, request shapes, demand).")],
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan.json from `coral plan --out`.")],
+    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 600,
+    load: Annotated[float, typer.Option(help="Demand multiplier (1 = the stack's demand).")] = 1.0,
+    trace_dir: Annotated[
+        Path | None, typer.Option(help="Folder of <model>.csv traces (timestamp,prompt,output).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traces.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
+    from coral_iac.plan_cli import load_plan
+    from solver.defaults import load_perf_model
+    from solver.errors import InputError
+    from solver.simulator import simulate
+    from solver.stack import load_stack
+    from solver.traces import generate_trace, load_trace_csv
+
+    fleet = load_stack(STACKS_DIR, stack)
+    plan = load_plan(plan_file)
+    perf = load_perf_model()
+    traces = {}
+    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+        if trace_dir is not None:
+            traces[model] = load_trace_csv(trace_dir / f"{model}.csv")
+            continue
+        if spec.demand is None or spec.demand.requests_per_s is None:
+            raise InputError(
+                f"coral:fleet.models.{model}.demand",
+                "simulation needs requests_per_s (or a trace)",
+                "set demand.requests_per_s, or pass --trace-dir",
+            )
+        traces[model] = generate_trace(
+            spec.demand.requests_per_s * load,
+            duration,
+            spec.mean_prompt_tokens,
+            spec.mean_output_tokens,
+            spec.workload,
+            seed=seed + i,
+        )
+    summary = simulate(plan, fleet, perf, traces, duration).summary()
+    if as_json:
+        print_json(summary)
+        return
+    table = Table(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand")
+    cols = ("model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    rows = dict(summary["by_model"])  # type: ignore[call-overload]
+    rows["all"] = summary
+    for model, r in rows.items():
+        table.add_row(
+            model,
+            str(r["requests"]),
+            f"{r['goodput_tokens_per_s']:,.0f}",
+            f"{100 * r['slo_attainment']:.1f}%",
+            f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p99_ms']:,.0f}",
+            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+        )
+    out.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(reports_errors(simulate_cmd))

@@ -1,0 +1,66 @@
+"""Benchmark the simulator (issue #6): 30 simulated minutes of paper-extended at its demand
+(25 req/s per model, about 270,000 requests) on one core; median wall time of --repeats runs,
+plus the plan reality check (SLO attainment at 1x demand and at the given utilization targets).
+
+Run through `scripts/bench_simulator`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from solver.defaults import load_perf_model
+from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.simulator import simulate
+from solver.stack import load_stack
+from solver.traces import generate_trace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def main(
+    stack: Annotated[str, typer.Option()] = "paper-extended",
+    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 1800,
+    repeats: Annotated[int, typer.Option()] = 3,
+    utilization: Annotated[list[float] | None, typer.Option(help="Targets to check.")] = None,
+) -> None:
+    perf = load_perf_model()
+    base = load_stack(ROOT / "stacks", stack)
+    family = "paper-core" if stack.startswith("paper-core") else "paper-extended"
+    libs = libraries_for(perf, base, list(stack_demand(base)), ROOT / ".coral/library" / family)
+    for u in utilization or [1.0, 0.8, 0.7]:
+        settings = base.allocation.model_copy(update={"target_utilization": u})
+        fleet = base.model_copy(update={"allocation": settings})
+        plan = plan_stack(stack, fleet, perf.catalog, libs)
+        traces = {
+            m: generate_trace(
+                s.demand.requests_per_s,
+                duration,
+                s.mean_prompt_tokens,
+                s.mean_output_tokens,
+                s.workload,
+                seed=i,
+            )
+            for i, (m, s) in enumerate(sorted(fleet.models.items()))
+            if s.demand is not None and s.demand.requests_per_s is not None
+        }
+        times, summary = [], {}
+        for _ in range(repeats if u == 1.0 else 1):
+            start = time.perf_counter()
+            summary = simulate(plan, fleet, perf, traces, duration).summary()
+            times.append(time.perf_counter() - start)
+        print(
+            f"{stack} target_utilization={u}: {plan.hourly_cost_usd:.2f} $/h, "
+            f"{summary['requests']} requests, SLO attainment {summary['slo_attainment']:.3f}, "
+            f"TTFT p50 {summary['ttft_p50_ms']:.0f} ms, TPOT p50 {summary['tpot_p50_ms']:.1f} ms, "
+            f"simulated in {statistics.median(times):.2f} s (median of {len(times)})"
+        )
+
+
+if __name__ == "__main__":
+    typer.run(main)

@@ -1,0 +1,366 @@
+"""Event-driven simulation of a plan serving request traces: TTFT, TPOT, SLO attainment, goodput.
+
+What is modelled:
+
+- **Instances.** Each serving instance of the plan is a pipeline of its template's stages. A
+  stage's time comes from the same function the template library uses
+  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop).
+- **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
+  - a new prefill micro-batch can start every max_s(stage time), and each finishes after the
+    sum of its stages;
+  - decode advances every running sequence by one token per round of S x max_s(stage time at
+    the micro-batch size ceil(running / S)).
+- **Continuous batching.** Decode admits waiting requests at every event while their full KV
+  (prompt + output) fits the instance's KV capacity: the smallest stage capacity. So nothing is
+  preempted.
+- **Prefill.** FCFS, batching the prompts that have arrived, up to the KV capacity and
+  `max_batch_tokens`.
+- **Disaggregation** (as vLLM's PD proxy runs it). The prefill instance runs with
+  max_tokens=1. The KV cache then moves to a decode instance: prompt x KV bytes per token over
+  the decode node's network, plus one hop latency. The decode instance streams every output
+  token, so TTFT ends at decode's first token.
+- **Aggregated instances** run the prefill pass, then the decode pass on the same instance. This
+  ignores interference between the two phases, so it is optimistic.
+- **Routing** is the paper's: smooth weighted round-robin across a (model, phase)'s instances,
+  with weights = template throughput.
+
+Per request: TTFT, TPOT = (finish - first token) / (output - 1), end-to-end latency, and whether
+both SLOs are met (TTFT <= prefill SLO, TPOT <= decode SLO). Goodput = output tokens/s of the
+requests that met them. Between events, whole runs of decode rounds are skipped at once (to the
+next completion or arrival). Decode rounds are timed at each model's mean decode context.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solver.plan import Plan, template_ref
+from solver.profile import PerfModel
+from solver.stack import FleetConfig
+from solver.template import ServingTemplate
+from solver.traces import Trace
+
+
+@dataclass(frozen=True)
+class Stage:
+    node: str  # node config whose speed and network apply (x1 for one-GPU processes)
+    tp: int
+    layers: int
+    hop: bool
+
+
+class InstanceModel:
+    """Timing and KV capacity of one serving instance (cached per batch size)."""
+
+    def __init__(
+        self,
+        perf: PerfModel,
+        template: ServingTemplate,
+        spec_ctx: float,
+        prompt: float,
+        slo_ms: tuple[float, float] | None = None,
+    ) -> None:
+        self.perf, self.model = perf, template.model
+        self.throughput = template.throughput
+        card = perf.card(template.model)
+        s_count = len(template.stages)
+        self.stages: list[Stage] = []
+        for i, st in enumerate(template.stages):
+            m = st.members[0]
+            cfg = perf.catalog.node(template.nodes[m.node])
+            node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
+            self.stages.append(Stage(node, m.tp, st.layers, hop=i < s_count - 1 or s_count > 1))
+        self.kv_capacity = min(
+            perf.kv_capacity_tokens(card, perf.catalog.node(s.node), s.tp, s.layers)
+            for s in self.stages
+        )
+        self.ctx, self.prompt = spec_ctx, prompt
+        self.network_gbps = min(perf.catalog.node(s.node).network_gbps for s in self.stages)
+        self.kv_bytes_per_token = card.kv_bytes_per_token_per_layer * card.layers
+        self._decode: dict[int, float] = {}
+        self._prefill: dict[int, tuple[float, float]] = {}
+        # The runtime caps batches at what meets the SLO (vLLM's --max-num-seqs and
+        # --max-num-batched-tokens), as the template library assumed when it sized them.
+        self.max_running = 1 << 30
+        self.max_prefill_tokens = 1 << 30
+        if slo_ms is not None:
+            pre_slo, dec_slo = slo_ms
+            self.max_running = max(
+                1, _largest(lambda b: self.decode_round_ms(b) <= dec_slo, 1 << 16)
+            )
+            self.max_prefill_tokens = max(
+                64,
+                _largest(
+                    lambda x: self.prefill_ms(x)[0] <= pre_slo, perf.settings.max_batch_tokens
+                ),
+            )
+
+    def decode_round_ms(self, running: int) -> float:
+        if running not in self._decode:
+            micro = math.ceil(running / len(self.stages))
+            worst = max(
+                self.perf.stage_time_ms(
+                    self.model, s.node, s.tp, "decode", micro, self.ctx, s.layers, s.hop
+                )
+                for s in self.stages
+            )
+            self._decode[running] = len(self.stages) * worst
+        return self._decode[running]
+
+    def prefill_ms(self, tokens: int) -> tuple[float, float]:
+        """(latency, period): sum and max of the stage times for a micro-batch of `tokens`."""
+        key = -(-tokens // 64) * 64  # cache at 64-token granularity (rounded up)
+        if key not in self._prefill:
+            times = [
+                self.perf.stage_time_ms(
+                    self.model, s.node, s.tp, "prefill", key, self.prompt, s.layers, s.hop
+                )
+                for s in self.stages
+            ]
+            self._prefill[key] = (sum(times), max(times))
+        return self._prefill[key]
+
+
+@dataclass
+class ModelResult:
+    model: str
+    arrival_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    output: np.ndarray
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
+
+    @property
+    def ttft_ms(self) -> np.ndarray:
+        return np.asarray((self.first_token_s - self.arrival_s) * 1e3, dtype=np.float64)
+
+    @property
+    def tpot_ms(self) -> np.ndarray:
+        steps = np.maximum(self.output - 1, 1)
+        tpot = np.where(self.output > 1, (self.finish_s - self.first_token_s) * 1e3 / steps, 0.0)
+        return np.asarray(tpot, dtype=np.float64)
+
+    @property
+    def met(self) -> np.ndarray:
+        done = np.isfinite(self.finish_s)
+        met = done & (self.ttft_ms <= self.slo_ttft_ms) & (self.tpot_ms <= self.slo_tpot_ms)
+        return np.asarray(met, dtype=bool)
+
+
+@dataclass
+class SimResult:
+    duration_s: float
+    models: dict[str, ModelResult]
+
+    def summary(self) -> dict[str, object]:
+        """Totals over all models plus one entry per model (JSON-ready)."""
+
+        def stats(rs: list[ModelResult]) -> dict[str, float]:
+            ttft = np.concatenate([r.ttft_ms for r in rs]) if rs else np.array([0.0])
+            tpot = np.concatenate([r.tpot_ms[r.output > 1] for r in rs]) if rs else np.array([0.0])
+            met = np.concatenate([r.met for r in rs]) if rs else np.array([True])
+            good = sum(float(r.output[r.met].sum()) for r in rs)
+            finished = np.concatenate([np.isfinite(r.finish_s) for r in rs]) if rs else met
+            return {
+                "requests": int(len(met)),
+                "finished": int(finished.sum()),
+                "goodput_tokens_per_s": round(good / self.duration_s, 3),
+                "slo_attainment": round(float(met.mean()), 4) if len(met) else 1.0,
+                "ttft_p50_ms": round(float(np.nanpercentile(ttft, 50)), 2),
+                "ttft_p99_ms": round(float(np.nanpercentile(ttft, 99)), 2),
+                "tpot_p50_ms": round(float(np.nanpercentile(tpot, 50)), 3) if len(tpot) else 0.0,
+                "tpot_p99_ms": round(float(np.nanpercentile(tpot, 99)), 3) if len(tpot) else 0.0,
+            }
+
+        out: dict[str, object] = dict(stats(list(self.models.values())))
+        out["by_model"] = {m: stats([r]) for m, r in sorted(self.models.items())}
+        return out
+
+
+def _largest(ok: Callable[[int], bool], hi: int) -> int:
+    """Largest x in [1, hi] with ok(x), assuming ok is monotone (0 if ok(1) fails)."""
+    if not ok(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
+    """nginx's smooth weighted round-robin: instance index for each of n requests, in order."""
+    current = [0.0] * len(weights)
+    total = sum(weights)
+    out = np.empty(n, dtype=np.int64)
+    for r in range(n):
+        for i, w in enumerate(weights):
+            current[i] += w
+        best = max(range(len(weights)), key=lambda i: (current[i], -i))
+        current[best] -= total
+        out[r] = best
+    return out
+
+
+def _prefill_pass(
+    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, cap: int
+) -> np.ndarray:
+    """FCFS batched prefill on one instance; returns each request's completion time (s)."""
+    n = len(arrival)
+    done = np.full(n, np.inf)
+    t_free, i = 0.0, 0
+    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
+    while i < n:
+        start = max(t_free, arrival[i])
+        j, tokens = i, 0
+        while j < n and arrival[j] <= start and (j == i or tokens + prompt[j] <= limit):
+            tokens += int(prompt[j])
+            j += 1
+        latency, period = inst.prefill_ms(tokens)
+        done[i:j] = start + latency / 1e3
+        t_free = start + period / 1e3
+        i = j
+    return done
+
+
+def _decode_pass(
+    inst: InstanceModel, ready: np.ndarray, context: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Continuous-batching decode of `tokens` tokens per request, requests ready at `ready`
+    (sorted), each holding `context` KV tokens at the end. Returns (first decode token time,
+    finish time, peak KV tokens used)."""
+    n = len(ready)
+    first, finish = np.full(n, np.inf), np.full(n, np.inf)
+    run_idx = np.empty(0, dtype=np.int64)
+    run_left = np.empty(0, dtype=np.int64)
+    kv_used = peak = 0
+    t, nxt = 0.0, 0
+    while nxt < n or len(run_idx):
+        # Admit every ready request whose KV fits (FCFS: stop at the first that does not).
+        admit: list[int] = []
+        while (
+            nxt < n
+            and ready[nxt] <= t
+            and kv_used + context[nxt] <= inst.kv_capacity
+            and len(run_idx) + len(admit) < inst.max_running
+        ):
+            kv_used += int(context[nxt])
+            admit.append(nxt)
+            nxt += 1
+        if admit:
+            run_idx = np.concatenate([run_idx, np.array(admit, dtype=np.int64)])
+            run_left = np.concatenate([run_left, tokens[admit]])
+        if nxt < n and context[nxt] > inst.kv_capacity and ready[nxt] <= t and not len(run_idx):
+            nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
+            continue
+        peak = max(peak, kv_used)
+        if not len(run_idx):
+            t = max(t, ready[nxt])
+            continue
+        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
+        k = int(run_left.min())
+        blocked = nxt < n and (
+            kv_used + context[nxt] > inst.kv_capacity or len(run_idx) >= inst.max_running
+        )
+        if nxt < n and not blocked and ready[nxt] > t:
+            k = min(k, max(1, math.ceil((ready[nxt] - t) / round_s)))
+        new = np.isinf(first[run_idx])
+        first[run_idx[new]] = t + round_s
+        t += k * round_s
+        run_left -= k
+        done = run_left == 0
+        if done.any():
+            finish[run_idx[done]] = t
+            kv_used -= int(context[run_idx[done]].sum())
+            run_idx, run_left = run_idx[~done], run_left[~done]
+    return first, finish, peak
+
+
+def simulate(
+    plan: Plan, fleet: FleetConfig, perf: PerfModel, traces: dict[str, Trace], duration_s: float
+) -> SimResult:
+    """Simulate every model's trace on the plan's instances."""
+    results = {}
+    for model, trace in sorted(traces.items()):
+        spec = fleet.models[model]
+        ctx = spec.decode_context_tokens
+        by_phase: dict[str, list[InstanceModel]] = {}
+        names: dict[str, list[str]] = {}
+        for inst in plan.instances:
+            if inst.model != model:
+                continue
+            t = plan.templates[template_ref(model, inst.phase, inst.template)]
+            by_phase.setdefault(inst.phase, []).append(
+                InstanceModel(
+                    perf, t, ctx, spec.mean_prompt_tokens, (spec.slo_ms.prefill, spec.slo_ms.decode)
+                )
+            )
+            names.setdefault(inst.phase, []).append(inst.key)
+        n = len(trace)
+        first = np.full(n, np.inf)
+        finish = np.full(n, np.inf)
+        peaks: dict[str, int] = {}
+        cap = perf.settings.max_batch_tokens
+        pre_phase = "prefill" if "prefill" in by_phase else "aggregated"
+        pre = by_phase.get(pre_phase, [])
+        dec = by_phase.get("decode" if pre_phase == "prefill" else "aggregated", [])
+        if pre and dec:
+            route = smooth_wrr([i.throughput for i in pre], n)
+            prefill_done = np.full(n, np.inf)
+            for k, pre_inst in enumerate(pre):
+                mine = np.flatnonzero(route == k)
+                prefill_done[mine] = _prefill_pass(
+                    pre_inst, trace.arrival_s[mine], trace.prompt[mine], cap
+                )
+            disaggregated = pre_phase == "prefill"
+            # Disaggregated (vLLM's PD proxy): prefill runs with max_tokens=1, the KV moves,
+            # and the decode instance streams every output token, so the client's first token
+            # is decode's first. Aggregated: prefill's token is the first; decode makes the rest.
+            need = trace.output if disaggregated else trace.output - 1
+            first = np.full(n, np.inf) if disaggregated else prefill_done.copy()
+            droute = smooth_wrr([i.throughput for i in dec], n)
+            for k, dec_inst in enumerate(dec):
+                mine = np.flatnonzero(droute == k)
+                transfer: float | np.ndarray = 0.0
+                if disaggregated:
+                    kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
+                    transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
+                        dec_inst.network_gbps * 1e9
+                    )
+                ready = prefill_done[mine] + transfer
+                order = np.argsort(ready, kind="stable")
+                idx = mine[order]
+                has = need[idx] > 0
+                f = np.where(has, np.inf, prefill_done[idx])
+                if has.any():
+                    fst, fin, peak = _decode_pass(
+                        dec_inst,
+                        ready[order][has],
+                        (trace.prompt + trace.output)[idx][has],
+                        need[idx][has],
+                    )
+                    f[has] = fin
+                    if disaggregated:
+                        first[idx[has]] = fst
+                    peaks[names["decode" if disaggregated else "aggregated"][k]] = peak
+                finish[idx] = f
+        results[model] = ModelResult(
+            model,
+            trace.arrival_s,
+            first,
+            finish,
+            trace.output,
+            spec.slo_ms.prefill,
+            spec.slo_ms.decode,
+            peaks,
+        )
+    return SimResult(duration_s, results)
