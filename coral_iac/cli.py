@@ -12,7 +12,7 @@ import typer
 import yaml
 from rich.table import Table
 
-from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.console import STACKS_DIR, err, out, print_json, progress_bar, reports_errors
 from coral_iac.deploy_cli import register as register_deploy_commands
 from coral_iac.plan_cli import plan_app
 from coral_iac.sim_cli import register as register_simulate_command
@@ -337,8 +337,6 @@ def templates_build(
     measured: MeasuredOpt = None,
 ) -> None:
     """Build the serving-template library for every model of a stack."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from solver.defaults import load_perf_model
     from solver.library import build_libraries, save_library
     from solver.template_library import available_node_configs
@@ -366,14 +364,7 @@ def templates_build(
     for col in ("model", "phase", "enumerated", "feasible", "dominated", "kept", "seconds"):
         table.add_column(col, justify="left" if col in ("model", "phase") else "right")
     jobs = [(m, ph) for m in fleet.models for ph in phases]
-    with Progress(
-        "{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
+    with progress_bar() as bar:
         tasks = {job: bar.add_task(f"{job[0]} {job[1]}", total=None) for job in jobs}
         libs = build_libraries(
             pm,

@@ -8,7 +8,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.console import STACKS_DIR, err, out, print_json, progress_bar, reports_errors
 
 plan_app = typer.Typer(
     help="Plan a stack: the cheapest template instances per region that meet demand.",
@@ -68,8 +68,6 @@ def make_plan(
     stack: str, method: str, previous: Path | None, library: Path | None, workers: int
 ) -> Any:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
     from solver.defaults import load_perf_model
     from solver.plan import Plan
     from solver.planner import libraries_for, plan_stack, stack_demand
@@ -80,14 +78,7 @@ def make_plan(
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
     jobs = list(stack_demand(fleet))
-    with Progress(
-        "{task.description}",
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-        console=err,
-        transient=True,
-    ) as bar:
+    with progress_bar() as bar:
         tasks: dict[Any, Any] = {}
 
         def progress(job: Any, done: int, total: int) -> None:

@@ -1,28 +1,29 @@
-"""solver/ stays pure: importing it loads no cloud SDK."""
+"""Dependencies point one way: solver/ loads no cloud SDK, and the plan validator no solver."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
 
+import pytest
 
-def test_solver_imports_no_cloud_sdk():
+SOLVER_MODULES = (
+    "solver.defaults, solver.skypilot, solver.calibration, solver.library, solver.allocation, "
+    "solver.planner, solver.baselines, solver.monolithic, solver.simulator, solver.traces"
+)
+CLOUD = ("pulumi", "pulumi_aws", "pulumi_gcp", "boto3", "google", "coral_iac")
+SOLVERS = ("ortools", "solver.allocation", "solver.placement", "solver.template_library")
+
+
+@pytest.mark.parametrize(
+    ("imports", "forbidden"),
+    [(SOLVER_MODULES, CLOUD), ("solver.validate", SOLVERS)],
+    ids=["solver-has-no-cloud-sdk", "validator-has-no-solver"],
+)
+def test_import_loads_nothing_forbidden(imports, forbidden):
     code = (
-        "import sys, solver.defaults, solver.skypilot, solver.calibration\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] in "
-        "('pulumi', 'pulumi_aws', 'pulumi_gcp', 'boto3', 'google', 'coral_iac')]\n"
-        "print(bad); raise SystemExit(1 if bad else 0)\n"
-    )
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def test_plan_validator_imports_no_solver():
-    """The validator checks plans independently: no OR-Tools behind it."""
-    code = (
-        "import sys, solver.validate\n"
-        "bad = [m for m in sys.modules if m.split('.')[0] == 'ortools' or m in "
-        "('solver.allocation', 'solver.placement', 'solver.template_library')]\n"
+        f"import sys, {imports}\n"
+        f"bad = [m for m in sys.modules if m in {forbidden!r} or m.split('.')[0] in {forbidden!r}]\n"
         "print(bad); raise SystemExit(1 if bad else 0)\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
