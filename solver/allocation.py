@@ -168,8 +168,9 @@ class _Model:
         solver.Minimize(self.cost + self.penalty)
 
     def hint_from(self, counts: dict[int, int] | None) -> None:
-        """Give the solver a feasible starting plan."""
-        if counts:
+        """Give the solver a feasible starting plan (SCIP and CP-SAT; OR-Tools 9.15's HiGHS
+        interface crashed with a hint, so HiGHS starts cold)."""
+        if counts and self.problem.settings.backend != "highs":
             self.solver.SetHint(self.nu, [float(counts.get(i, 0)) for i in range(len(self.nu))])
 
     def solve(self) -> tuple[int, float]:
