@@ -68,10 +68,14 @@ def simulate_cmd(
             str(r["requests"]),
             f"{r['goodput_tokens_per_s']:,.0f}",
             f"{100 * r['slo_attainment']:.1f}%",
-            f"{r['ttft_p50_ms']:,.0f} / {r['ttft_p99_ms']:,.0f}",
-            f"{r['tpot_p50_ms']:.1f} / {r['tpot_p99_ms']:.1f}",
+            f"{_ms(r['ttft_p50_ms'], 0)} / {_ms(r['ttft_p99_ms'], 0)}",
+            f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
         )
     out.print(table)
+
+
+def _ms(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
 
 
 def register(app: typer.Typer) -> None:

@@ -2,7 +2,9 @@
 
 What is modelled:
 
-- **Instances.** Each serving instance of the plan is a pipeline of its template's stages. A
+- **Instances.** Each serving instance of the plan is a pipeline of its template's stages (one
+  process per stage, as vllm mode places them; data-parallel stages of general mode are
+  refused rather than misread). A
   stage's time comes from the same function the template library uses
   (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop).
 - **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
@@ -38,6 +40,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from solver.errors import InputError
 from solver.plan import Plan, template_ref
 from solver.profile import PerfModel
 from solver.stack import FleetConfig
@@ -64,6 +67,12 @@ class InstanceModel:
         prompt: float,
         slo_ms: tuple[float, float] | None = None,
     ) -> None:
+        if any(len(st.members) != 1 for st in template.stages):
+            raise InputError(
+                f"template {template.key} ({template.model} {template.phase})",
+                "has data-parallel stages, which the simulator does not model",
+                "simulate plans of `library: {mode: vllm}` stacks (chains, one process per stage)",
+            )
         self.perf, self.model = perf, template.model
         self.throughput = template.throughput
         card = perf.card(template.model)
@@ -143,7 +152,9 @@ class ModelResult:
     @property
     def tpot_ms(self) -> np.ndarray:
         steps = np.maximum(self.output - 1, 1)
-        tpot = np.where(self.output > 1, (self.finish_s - self.first_token_s) * 1e3 / steps, 0.0)
+        with np.errstate(invalid="ignore"):  # unfinished requests: inf - inf
+            gap = (self.finish_s - self.first_token_s) * 1e3 / steps
+        tpot = np.where(self.output > 1, gap, 0.0)
         return np.asarray(tpot, dtype=np.float64)
 
     @property
@@ -161,21 +172,25 @@ class SimResult:
     def summary(self) -> dict[str, object]:
         """Totals over all models plus one entry per model (JSON-ready)."""
 
-        def stats(rs: list[ModelResult]) -> dict[str, float]:
-            ttft = np.concatenate([r.ttft_ms for r in rs]) if rs else np.array([0.0])
-            tpot = np.concatenate([r.tpot_ms[r.output > 1] for r in rs]) if rs else np.array([0.0])
-            met = np.concatenate([r.met for r in rs]) if rs else np.array([True])
+        def pct(values: np.ndarray, q: float, digits: int) -> float | None:
+            finite = values[np.isfinite(values)]
+            return round(float(np.percentile(finite, q)), digits) if len(finite) else None
+
+        def stats(rs: list[ModelResult]) -> dict[str, float | int | None]:
+            ttft = np.concatenate([r.ttft_ms for r in rs])
+            tpot = np.concatenate([r.tpot_ms[r.output > 1] for r in rs])
+            met = np.concatenate([r.met for r in rs])
+            finished = np.concatenate([np.isfinite(r.finish_s) for r in rs])
             good = sum(float(r.output[r.met].sum()) for r in rs)
-            finished = np.concatenate([np.isfinite(r.finish_s) for r in rs]) if rs else met
             return {
                 "requests": int(len(met)),
                 "finished": int(finished.sum()),
                 "goodput_tokens_per_s": round(good / self.duration_s, 3),
                 "slo_attainment": round(float(met.mean()), 4) if len(met) else 1.0,
-                "ttft_p50_ms": round(float(np.nanpercentile(ttft, 50)), 2),
-                "ttft_p99_ms": round(float(np.nanpercentile(ttft, 99)), 2),
-                "tpot_p50_ms": round(float(np.nanpercentile(tpot, 50)), 3) if len(tpot) else 0.0,
-                "tpot_p99_ms": round(float(np.nanpercentile(tpot, 99)), 3) if len(tpot) else 0.0,
+                "ttft_p50_ms": pct(ttft, 50, 2),
+                "ttft_p99_ms": pct(ttft, 99, 2),
+                "tpot_p50_ms": pct(tpot, 50, 3),
+                "tpot_p99_ms": pct(tpot, 99, 3),
             }
 
         out: dict[str, object] = dict(stats(list(self.models.values())))
