@@ -24,6 +24,7 @@ from coral_iac.bootstrap import (
 from solver.errors import InputError
 from solver.template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
+from tests.factories import data_parallel_template
 from tests.vllm_cli import check_replica
 
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
@@ -198,21 +199,5 @@ def test_unrunnable_templates_fail_before_boot(stages, disaggregated, phase, mes
 
 
 def test_data_parallel_stage_is_rejected():
-    t = ServingTemplate(
-        key="l40sx1*2",
-        model="qwen3-32b",
-        phase="prefill",
-        mode="general",
-        nodes=["l40sx1", "l40sx1"],
-        stages=[
-            Stage(
-                layers=64,
-                members=[StageMember(node=0, gpus=[0], tp=1), StageMember(node=1, gpus=[0], tp=1)],
-            )
-        ],
-        throughput=1.0,
-        unit="tokens/s",
-        stage_budget_ms=[1.0],
-    )
     with pytest.raises(InputError, match="data parallel"):
-        boots_for(t, True)
+        boots_for(data_parallel_template("qwen3-32b", 64), True)

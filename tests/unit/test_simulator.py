@@ -164,3 +164,11 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
     ):
         assert key in data
     assert data["requests"] == data["finished"] > 0
+
+
+def test_data_parallel_stages_are_refused_not_misread():
+    from solver.simulator import InstanceModel
+    from tests.factories import data_parallel_template
+
+    with pytest.raises(InputError, match="data-parallel"):
+        InstanceModel(perf(), data_parallel_template("phi-4", 40), 1000, 1000)

@@ -1,0 +1,25 @@
+"""Small serving templates built by hand for tests."""
+
+from __future__ import annotations
+
+from solver.template import ServingTemplate, Stage, StageMember
+
+
+def data_parallel_template(model: str, layers: int) -> ServingTemplate:
+    """Two l40sx1 nodes sharing one stage (general mode's data parallelism)."""
+    return ServingTemplate(
+        key="l40sx1*2",
+        model=model,
+        phase="prefill",
+        mode="general",
+        nodes=["l40sx1", "l40sx1"],
+        stages=[
+            Stage(
+                layers=layers,
+                members=[StageMember(node=0, gpus=[0], tp=1), StageMember(node=1, gpus=[0], tp=1)],
+            )
+        ],
+        throughput=1.0,
+        unit="tokens/s",
+        stage_budget_ms=[1.0],
+    )
