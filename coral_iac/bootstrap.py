@@ -79,6 +79,12 @@ class NodeBoot(BaseModel):
     api_port: int = Field(description="Public port: rank 0's API, or the router's.")
     hf_token_secret: str = Field(description="Secret-manager name of the Hugging Face token.")
     router: RouterSpec | None = None
+    max_num_seqs: int | None = Field(
+        default=None, ge=1, description="Largest decode batch that meets the decode SLO."
+    )
+    max_num_batched_tokens: int | None = Field(
+        default=None, ge=1, description="Largest prefill batch that meets the prefill SLO."
+    )
 
     @property
     def kv_role(self) -> str | None:
@@ -113,6 +119,8 @@ def node_boots(
     api_port: int,
     hf_token_secret: str,
     gpu_memory_utilization: float = 0.9,
+    max_num_seqs: int | None = None,
+    max_num_batched_tokens: int | None = None,
 ) -> list[NodeBoot]:
     """One boot spec per node of the template (master_addr left '' for the Pulumi program).
 
@@ -167,6 +175,8 @@ def node_boots(
             http_port=http_port,
             api_port=api_port,
             hf_token_secret=secret_name(cloud, hf_token_secret),
+            max_num_seqs=max_num_seqs if phase != "prefill" else None,
+            max_num_batched_tokens=max_num_batched_tokens if phase != "decode" else None,
         )
         for k in range(len(template.nodes))
         if procs.get(k)
@@ -188,6 +198,10 @@ def vllm_argv(boot: NodeBoot, process: Process, master_addr: str) -> list[str]:
         "--gpu-memory-utilization",
         f"{boot.gpu_memory_utilization:g}",
     ]
+    if boot.max_num_seqs is not None:  # batches past these sizes would break the SLO
+        argv += ["--max-num-seqs", str(boot.max_num_seqs)]
+    if boot.max_num_batched_tokens is not None:
+        argv += ["--max-num-batched-tokens", str(boot.max_num_batched_tokens)]
     if boot.nnodes > 1:
         argv += [
             "--nnodes",

@@ -35,6 +35,7 @@ from solver.io import parse_model
 from solver.plan import Instance, Plan, diff_plans, template_ref
 from solver.planner import libraries_for, plan_stack, stack_demand
 from solver.profile import PerfModel
+from solver.simulator import InstanceModel
 from solver.stack import FleetConfig
 from solver.validate import validate_plan
 
@@ -115,7 +116,17 @@ def declare(plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str) -> dict
         template = plan.templates[template_ref(inst.model, inst.phase, inst.template)]
         spec = fleet.models[inst.model]
         card = perf.card(inst.model)
+        # Cap vLLM's batches at the SLO-feasible sizes the library assumed (as simulated).
+        sizes = InstanceModel(
+            perf,
+            template,
+            spec.decode_context_tokens,
+            spec.mean_prompt_tokens,
+            (spec.slo_ms.prefill, spec.slo_ms.decode),
+        )
         boots = node_boots(
+            max_num_seqs=sizes.max_running,
+            max_num_batched_tokens=sizes.max_prefill_tokens,
             template=template,
             layers=card.layers,
             cloud=inst.cloud,  # type: ignore[arg-type]

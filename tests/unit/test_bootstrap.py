@@ -55,7 +55,7 @@ def template(model, phase, nodes, stages):
 
 
 def boots_for(
-    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2"
+    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2", **caps
 ) -> list[NodeBoot]:
     return node_boots(
         template=t,
@@ -69,6 +69,7 @@ def boots_for(
         max_model_len=8192,
         api_port=8000,
         hf_token_secret="coral/hf-token",
+        **caps,
     )
 
 
@@ -93,12 +94,17 @@ def cases() -> dict[str, list[NodeBoot]]:
     router = RouterSpec(
         prefill_urls=[f"http://{HEAD_IP}:8100"], decode_urls=["http://127.0.0.1:8200"]
     )
-    pd_decode = [b.model_copy(update={"router": router}) for b in boots_for(decode, True)]
+    pd_decode = [
+        b.model_copy(update={"router": router})
+        for b in boots_for(decode, True, max_num_seqs=96, max_num_batched_tokens=8192)
+    ]
     return {
         "single-node": boots_for(single, False),
         "mixed-node-sizes-per-gpu": boots_for(mixed, False),
         "uniform-tp-multi-node": boots_for(uniform, False, cloud="gcp", region="us-central1"),
-        "disaggregated-prefill": boots_for(prefill, True),
+        "disaggregated-prefill": boots_for(
+            prefill, True, max_num_seqs=96, max_num_batched_tokens=8192
+        ),
         "disaggregated-decode": pd_decode,
     }
 

@@ -65,6 +65,9 @@ def test_every_planned_node_is_declared_as_specified(tmp_path):
         assert disk["volumeSize"] >= weights
         assert node.provider and "aws-us-east-2" in node.provider
         assert node.inputs["userData"].startswith("#cloud-config")
+        # vLLM's batches are capped at the SLO-feasible sizes the plan assumed
+        cap = "--max-num-seqs" if tags["coral:phase"] == "decode" else "--max-num-batched-tokens"
+        assert cap in node.inputs["userData"]
     for inst in plan.instances:
         declared = by_replica[inst.key]
         assert sorted(n.inputs["instanceType"] for n in declared) == sorted(
