@@ -148,6 +148,8 @@ class _Model:
                 solver.Add(supply >= (d / FRACTION_STEPS) * self.phi)
             else:
                 solver.Add(supply >= d * min_fraction)
+        if s.colocate_phases:
+            self._colocate(cols)
         self.cost = solver.Sum([c.price * self.nu[i] for i, c in enumerate(cols)])
         if s.budget_usd_per_hour is not None:
             solver.Add(self.cost <= s.budget_usd_per_hour)
@@ -166,6 +168,26 @@ class _Model:
                 penalty.append(extra)
         self.penalty = solver.Sum(penalty)
         solver.Minimize(self.cost + self.penalty)
+
+    def _colocate(self, cols: list[Column]) -> None:
+        """Per (model, region): prefill and decode instances both zero or both at least one."""
+        paired = {
+            m
+            for (m, ph), d in self.problem.demand.items()
+            if ph == "prefill" and d > 0 and self.problem.demand.get((m, "decode"), 0) > 0
+        }
+        groups: dict[tuple[str, RegionId], dict[str, list[int]]] = {}
+        for i, c in enumerate(cols):
+            if c.job[0] in paired and c.job[1] in ("prefill", "decode"):
+                groups.setdefault((c.job[0], c.region), {}).setdefault(c.job[1], []).append(i)
+        for (model, region), phases in sorted(groups.items()):
+            used = self.solver.BoolVar(f"open[{model},{region_name(region)}]")
+            for phase in ("prefill", "decode"):
+                idx = phases.get(phase, [])
+                count = self.solver.Sum([self.nu[i] for i in idx])
+                big = sum(self.nu[i].ub() for i in idx)
+                self.solver.Add(count <= big * used)
+                self.solver.Add(count >= used)
 
     def hint_from(self, counts: dict[int, int] | None) -> None:
         """Give the solver a feasible starting plan (SCIP and CP-SAT; OR-Tools 9.15's HiGHS

@@ -159,6 +159,11 @@ class AllocationSettings(BaseModel):
         "simulator shows queueing then breaks SLOs, so production stacks should use less.",
     )
     budget_usd_per_hour: float | None = Field(default=None, gt=0)
+    colocate_phases: bool = Field(
+        default=True,
+        description="A disaggregated model's prefill and decode instances share regions (KV "
+        "moves over the private network). The paper does not require it; deployments do.",
+    )
     backend: Backend = Field(
         default="scip", description="SCIP: fastest of the three here (docs/allocation.md)."
     )

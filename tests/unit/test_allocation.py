@@ -248,3 +248,19 @@ def test_cli_plan_errors(tmp_path, monkeypatch):
 def test_same_inputs_give_the_same_plan():
     f = with_rps(3, 4)
     assert plan_for(f).model_dump(exclude={"solver"}) == plan_for(f).model_dump(exclude={"solver"})
+
+
+def test_disaggregated_pairs_share_regions_unless_the_paper_formulation_is_asked():
+    """colocate_phases (default) keeps each model's prefill and decode in the same regions."""
+    for colocate in (True, False):
+        f = with_rps(6, 8, allocation={"colocate_phases": colocate, "relative_gap": 0})
+        p = plan_for(f)
+        seen: dict = {}
+        for i in p.instances:
+            seen.setdefault((i.model, i.region), set()).add(i.phase)
+        if colocate:
+            assert all(phases == {"prefill", "decode"} for phases in seen.values())
+    # the constraint can only cost more (or the same)
+    free = plan_for(with_rps(6, 8, allocation={"colocate_phases": False, "relative_gap": 0}))
+    tied = plan_for(with_rps(6, 8, allocation={"colocate_phases": True, "relative_gap": 0}))
+    assert tied.solver.objective >= free.solver.objective - 1e-6
