@@ -12,6 +12,7 @@ import typer
 import yaml
 from rich.table import Table
 
+from coral_iac.bench_cli import register as register_bench_command
 from coral_iac.console import STACKS_DIR, err, out, print_json, progress_bar, reports_errors
 from coral_iac.deploy_cli import register as register_deploy_commands
 from coral_iac.plan_cli import plan_app
@@ -31,6 +32,7 @@ app.add_typer(profile_app, name="profile")
 app.add_typer(plan_app, name="plan")
 register_deploy_commands(app)
 register_simulate_command(app)
+register_bench_command(app)
 
 DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
 

@@ -172,3 +172,22 @@ def test_data_parallel_stages_are_refused_not_misread():
 
     with pytest.raises(InputError, match="data-parallel"):
         InstanceModel(perf(), data_parallel_template("phi-4", 40), 1000, 1000)
+
+
+def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    from coral_iac.cli import app
+    from tests.conftest import REPO
+
+    (tmp_path / "stacks").symlink_to(REPO / "stacks")  # the library cache lands in tmp_path
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(
+        app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out), "--duration", "60"]
+    )
+    assert r.exit_code == 0, r.output
+    report = (out / "report.md").read_text()
+    assert report.count("| dev | vllm |") == 3  # coral, homo, cauchy
+    for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
