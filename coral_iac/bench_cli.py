@@ -18,20 +18,9 @@ def _simulate(plan: Any, fleet: Any, perf: Any, duration: float) -> dict[str, An
     """Simulated summary at the plan's served demand; None where the simulator cannot run it."""
     from solver.errors import InputError
     from solver.simulator import simulate
-    from solver.traces import generate_trace
+    from solver.traces import stack_traces
 
-    traces = {
-        m: generate_trace(
-            s.demand.requests_per_s * plan.served_fraction,
-            duration,
-            s.mean_prompt_tokens,
-            s.mean_output_tokens,
-            s.workload,
-            seed=i,
-        )
-        for i, (m, s) in enumerate(sorted(fleet.models.items()))
-        if s.demand is not None and s.demand.requests_per_s
-    }
+    traces = stack_traces(fleet.models, duration, scale=plan.served_fraction)
     try:
         return simulate(plan, fleet, perf, traces, duration).summary()
     except InputError:

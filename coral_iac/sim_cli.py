@@ -28,30 +28,22 @@ def simulate_cmd(
     from solver.errors import InputError
     from solver.simulator import simulate
     from solver.stack import load_stack
-    from solver.traces import generate_trace, load_trace_csv
+    from solver.traces import load_trace_csv, stack_traces
 
     fleet = load_stack(STACKS_DIR, stack)
     plan = load_plan(plan_file)
     perf = load_perf_model()
-    traces = {}
-    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
-        if trace_dir is not None:
-            traces[model] = load_trace_csv(trace_dir / f"{model}.csv")
-            continue
-        if spec.demand is None or spec.demand.requests_per_s is None:
+    if trace_dir is not None:
+        traces = {m: load_trace_csv(trace_dir / f"{m}.csv") for m in sorted(fleet.models)}
+    else:
+        traces = stack_traces(fleet.models, duration, scale=load, seed=seed)
+        missing = sorted(set(fleet.models) - set(traces))
+        if missing:
             raise InputError(
-                f"coral:fleet.models.{model}.demand",
+                f"coral:fleet.models.{missing[0]}.demand",
                 "simulation needs requests_per_s (or a trace)",
                 "set demand.requests_per_s, or pass --trace-dir",
             )
-        traces[model] = generate_trace(
-            spec.demand.requests_per_s * load,
-            duration,
-            spec.mean_prompt_tokens,
-            spec.mean_output_tokens,
-            spec.workload,
-            seed=seed + i,
-        )
     summary = simulate(plan, fleet, perf, traces, duration).summary()
     if as_json:
         print_json(summary)

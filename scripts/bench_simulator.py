@@ -18,7 +18,7 @@ from solver.defaults import load_perf_model
 from solver.planner import libraries_for, plan_stack, stack_demand
 from solver.simulator import simulate
 from solver.stack import load_stack
-from solver.traces import generate_trace
+from solver.traces import stack_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -37,18 +37,7 @@ def main(
         settings = base.allocation.model_copy(update={"target_utilization": u})
         fleet = base.model_copy(update={"allocation": settings})
         plan = plan_stack(stack, fleet, perf.catalog, libs)
-        traces = {
-            m: generate_trace(
-                s.demand.requests_per_s,
-                duration,
-                s.mean_prompt_tokens,
-                s.mean_output_tokens,
-                s.workload,
-                seed=i,
-            )
-            for i, (m, s) in enumerate(sorted(fleet.models.items()))
-            if s.demand is not None and s.demand.requests_per_s is not None
-        }
+        traces = stack_traces(fleet.models, duration)
         times, summary = [], {}
         for _ in range(repeats if u == 1.0 else 1):
             start = time.perf_counter()

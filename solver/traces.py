@@ -20,12 +20,14 @@ header row is optional), e.g. converted from https://github.com/Azure/AzurePubli
 from __future__ import annotations
 
 import csv
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from solver.errors import InputError
+from solver.stack import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -78,6 +80,27 @@ def generate_trace(
         _lognormal(rng, mean_prompt, shape.prompt_sigma, n, max_tokens),
         _lognormal(rng, mean_output, shape.output_sigma, n, max_tokens),
     )
+
+
+def stack_traces(
+    models: Mapping[str, ModelSpec], duration_s: float, scale: float = 1.0, seed: int = 0
+) -> dict[str, Trace]:
+    """One generated trace per model with a requests/s demand, at `scale` x that demand.
+
+    Models are seeded `seed`, `seed + 1`, ... in name order, so traces are reproducible.
+    """
+    return {
+        model: generate_trace(
+            spec.demand.requests_per_s * scale,
+            duration_s,
+            spec.mean_prompt_tokens,
+            spec.mean_output_tokens,
+            spec.workload,
+            seed=seed + i,
+        )
+        for i, (model, spec) in enumerate(sorted(models.items()))
+        if spec.demand is not None and spec.demand.requests_per_s
+    }
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap: int) -> np.ndarray:
