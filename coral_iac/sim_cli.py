@@ -70,5 +70,70 @@ def _ms(value: float | None, digits: int) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def epochs_cmd(
+    stack: Annotated[str, typer.Option(help="Stack name.")],
+    availability: Annotated[
+        str, typer.Option(help="Availability factor per epoch, comma-separated.")
+    ] = "1,0.8,0.6,0.8,1",
+    epoch_minutes: Annotated[float, typer.Option(help="Adjustment interval.")] = 6,
+    startup_minutes: Annotated[float, typer.Option(help="Time before a new node serves.")] = 6,
+    library: Annotated[Path | None, typer.Option(help="Template-library folder.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Run the paper's epochs: re-plan each interval (start-up penalty, changing availability)
+    and simulate each epoch, counting the start-up time of new instances."""
+    from dataclasses import asdict
+
+    from solver.defaults import load_perf_model
+    from solver.epochs import run_epochs
+    from solver.errors import InputError
+    from solver.planner import libraries_for, stack_demand
+    from solver.stack import load_stack
+
+    try:
+        factors = [float(x) for x in availability.split(",")]
+    except ValueError as e:
+        raise InputError("--availability", f"not numbers: {availability}", "e.g. 1,0.8,0.6") from e
+    if not factors or any(f < 0 for f in factors):
+        raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
+    fleet = load_stack(STACKS_DIR, stack)
+    perf = load_perf_model()
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet)), library or Path(".coral/library") / stack
+    )
+    results = run_epochs(
+        stack, fleet, perf, libs, factors, epoch_minutes * 60, startup_minutes * 60
+    )
+    if as_json:
+        print_json([asdict(r) for r in results])
+        return
+    table = Table(title=f"{stack}: {len(results)} epochs of {epoch_minutes:g} min")
+    cols = (
+        "epoch",
+        "avail x",
+        "$/hour",
+        "penalty $/h",
+        "served",
+        "+/-",
+        "goodput tok/s",
+        "SLO met",
+    )
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(
+            str(r.epoch),
+            f"{r.availability_factor:g}",
+            f"{r.hourly_cost_usd:,.2f}",
+            f"{r.startup_penalty_usd_per_hour:,.2f}",
+            f"{r.served_fraction:.3f}",
+            f"+{r.added}/-{r.removed}",
+            f"{r.goodput_tokens_per_s:,.0f}",
+            f"{100 * r.slo_attainment:.1f}%",
+        )
+    out.print(table)
+
+
 def register(app: typer.Typer) -> None:
     app.command("simulate")(reports_errors(simulate_cmd))
+    app.command("epochs")(reports_errors(epochs_cmd))

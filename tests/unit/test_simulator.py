@@ -191,3 +191,18 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
     assert report.count("| dev | vllm |") == 3  # coral, homo, cauchy
     for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
+    from solver.epochs import run_epochs
+
+    f = fleet()
+    # start-up as long as the epoch: nothing new serves in epoch 0; epoch 1 keeps the plan
+    results = run_epochs("test", f, perf(), libraries(), [1.0, 1.0], epoch_s=60, startup_s=60)
+    assert results[0].added > 0 and results[0].goodput_tokens_per_s == 0
+    assert results[1].added == results[1].removed == 0
+    assert results[1].goodput_tokens_per_s > 0
+    assert results[1].startup_penalty_usd_per_hour == pytest.approx(0, abs=1e-6)
+    # scarcer availability in a later epoch serves less, and says so
+    scarce = run_epochs("test", f, perf(), libraries(), [1.0, 0.0], epoch_s=60, startup_s=0)
+    assert scarce[1].served_fraction < 1 and scarce[1].removed > 0
