@@ -41,7 +41,7 @@ def bench(
     import matplotlib.pyplot as plt
 
     from solver.defaults import load_perf_model
-    from solver.planner import libraries_for, plan_stack, stack_demand
+    from solver.planner import LIBRARY_ROOT, libraries_for, plan_stack, stack_demand
     from solver.stack import load_stack
 
     perf = load_perf_model()
@@ -50,19 +50,12 @@ def bench(
         task = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
-                base = load_stack(STACKS_DIR, name)
-                if mode not in ("vllm", "general"):
-                    from solver.errors import InputError
-
-                    raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
-                fleet = base.model_copy(
-                    update={"library": base.library.model_copy(update={"mode": mode})}
-                )
+                fleet = load_stack(STACKS_DIR, name).with_mode(mode)
                 libs = libraries_for(
                     perf,
                     fleet,
                     list(stack_demand(fleet)),
-                    Path(".coral/library") / f"{name}-{mode}",
+                    LIBRARY_ROOT / f"{name}-{mode}",
                     workers=workers,
                 )
                 for method in METHODS:

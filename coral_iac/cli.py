@@ -307,17 +307,10 @@ LIB_PHASES = ("prefill", "decode", "aggregated")
 
 
 def _fleet(stack: str, mode: str | None) -> Any:
-    from solver.errors import InputError
     from solver.stack import load_stack
 
     fleet = load_stack(STACKS_DIR, stack)
-    if mode is not None:
-        if mode not in ("vllm", "general"):
-            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
-        fleet = fleet.model_copy(
-            update={"library": fleet.library.model_copy(update={"mode": mode})}
-        )
-    return fleet
+    return fleet if mode is None else fleet.with_mode(mode)
 
 
 @templates_app.command("build")

@@ -69,15 +69,12 @@ def make_plan(
 ) -> Any:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan."""
     from solver.defaults import load_perf_model
-    from solver.plan import Plan
-    from solver.planner import libraries_for, plan_stack, stack_demand
+    from solver.planner import LIBRARY_ROOT, plan_with_library
     from solver.stack import load_stack
-    from solver.validate import validate_plan
 
     fleet = load_stack(STACKS_DIR, stack)
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
-    jobs = list(stack_demand(fleet))
     with progress_bar() as bar:
         tasks: dict[Any, Any] = {}
 
@@ -86,11 +83,16 @@ def make_plan(
                 tasks[job] = bar.add_task(f"templates {job[0]} {job[1]}", total=total)
             bar.update(tasks[job], completed=done)
 
-        libs = libraries_for(
-            perf, fleet, jobs, library or Path(".coral/library") / stack, True, workers, progress
+        return plan_with_library(
+            stack,
+            fleet,
+            perf,
+            library or LIBRARY_ROOT / stack,
+            running,
+            method,  # type: ignore[arg-type]
+            workers,
+            progress,
         )
-    result: Plan = plan_stack(stack, fleet, perf.catalog, libs, running, method)  # type: ignore[arg-type]
-    return validate_plan(result, fleet, perf.catalog, perf.cards)
 
 
 def load_plan(path: Path) -> Any:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import io
 import json
-from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -29,17 +28,17 @@ from rich.table import Table
 from coral_iac.bootstrap import node_boots
 from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.infra import Infra, slug
+from solver import planner
 from solver.defaults import load_perf_model
 from solver.errors import CoralError
 from solver.io import parse_model
 from solver.plan import Instance, Plan, diff_plans, template_ref
-from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.planner import plan_with_library
 from solver.profile import PerfModel
 from solver.simulator import InstanceModel
 from solver.stack import FleetConfig
-from solver.validate import validate_plan
 
-LIBRARY_ROOT = Path(".coral/library")
+LIBRARY_ROOT = planner.LIBRARY_ROOT  # a module attribute, so tests can point it elsewhere
 
 
 def read_fleet() -> FleetConfig:
@@ -60,16 +59,14 @@ def previous_plan(stack: str) -> Plan | None:
 
 
 def make_plan(stack: str, fleet: FleetConfig, perf: PerfModel, previous: Plan | None) -> Plan:
-    libs = libraries_for(
-        perf,
+    return plan_with_library(
+        stack,
         fleet,
-        list(stack_demand(fleet)),
+        perf,
         LIBRARY_ROOT / stack,
-        build_missing=True,
+        previous,
         rebuild_stale=fleet.deploy.rebuild_library,
     )
-    plan = plan_stack(stack, fleet, perf.catalog, libs, previous)
-    return validate_plan(plan, fleet, perf.catalog, perf.cards)
 
 
 def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
@@ -89,17 +86,12 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
         )
     if plan.served_fraction == 0 and plan.jobs:
         problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
-    pairs: dict[tuple[str, str, str], set[str]] = {}
-    for i in plan.instances:
-        if i.phase in ("prefill", "decode"):
-            pairs.setdefault((i.model, i.cloud, i.region), set()).add(i.phase)
-    for (model, cloud, region), phases in sorted(pairs.items()):
-        if phases != {"prefill", "decode"}:
-            problems.append(
-                f"{model} has only {'/'.join(sorted(phases))} instances in {cloud}:{region}; a "
-                "disaggregated pair needs both in one region (KV moves over the private "
-                "network). Restrict the model's regions, or set serving: aggregated"
-            )
+    for model, cloud, region, phases in plan.unpaired():
+        problems.append(
+            f"{model} has only {'/'.join(phases)} instances in {cloud}:{region}; a "
+            "disaggregated pair needs both in one region (KV moves over the private "
+            "network). Restrict the model's regions, or set serving: aggregated"
+        )
     if problems:
         raise pulumi.RunError("Coral cannot deploy this plan:\n  " + "\n  ".join(problems))
 
@@ -110,20 +102,25 @@ def declare(plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str) -> dict
     deploy = fleet.deploy
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[tuple[str, str], list[pulumi.Output[str]]] = {}
+    batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
     for inst in order:
-        template = plan.templates[template_ref(inst.model, inst.phase, inst.template)]
+        ref = template_ref(inst.model, inst.phase, inst.template)
+        template = plan.templates[ref]
         spec = fleet.models[inst.model]
         card = perf.card(inst.model)
-        # Cap vLLM's batches at the SLO-feasible sizes the library assumed (as simulated).
-        sizes = InstanceModel(
-            perf,
-            template,
-            spec.decode_context_tokens,
-            spec.mean_prompt_tokens,
-            (spec.slo_ms.prefill, spec.slo_ms.decode),
-        )
+        # Cap vLLM's batches at the SLO-feasible sizes the library assumed (as simulated);
+        # replicas of one template share them.
+        if ref not in batch_caps:
+            batch_caps[ref] = InstanceModel(
+                perf,
+                template,
+                spec.decode_context_tokens,
+                spec.mean_prompt_tokens,
+                (spec.slo_ms.prefill, spec.slo_ms.decode),
+            )
+        sizes = batch_caps[ref]
         boots = node_boots(
             max_num_seqs=sizes.max_running,
             max_num_batched_tokens=sizes.max_prefill_tokens,

@@ -87,7 +87,7 @@ def epochs_cmd(
     from solver.defaults import load_perf_model
     from solver.epochs import run_epochs
     from solver.errors import InputError
-    from solver.planner import libraries_for, stack_demand
+    from solver.planner import LIBRARY_ROOT, libraries_for, stack_demand
     from solver.stack import load_stack
 
     try:
@@ -98,9 +98,7 @@ def epochs_cmd(
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
     fleet = load_stack(STACKS_DIR, stack)
     perf = load_perf_model()
-    libs = libraries_for(
-        perf, fleet, list(stack_demand(fleet)), library or Path(".coral/library") / stack
-    )
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or LIBRARY_ROOT / stack)
     results = run_epochs(
         stack, fleet, perf, libs, factors, epoch_minutes * 60, startup_minutes * 60
     )

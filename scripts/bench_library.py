@@ -27,10 +27,6 @@ FINDING_MODEL, FINDING_PHASE = "qwen3-235b-a22b", "prefill"
 console = Console()
 
 
-def _with_mode(fleet: FleetConfig, mode: str) -> FleetConfig:
-    return fleet.model_copy(update={"library": fleet.library.model_copy(update={"mode": mode})})
-
-
 def _build(fleet: FleetConfig, workers: int) -> tuple[list[Library], float]:
     perf = load_perf_model()
     jobs = [(m, ph) for m in fleet.models for ph in ("prefill", "decode")]
@@ -84,7 +80,7 @@ def main(
     for stack in stacks or ["paper-core", "paper-extended"]:
         base = load_stack(STACKS, stack)
         for mode in modes or ["vllm", "general"]:
-            fleet = _with_mode(base, mode)
+            fleet = base.with_mode(mode)
             libs, first = _build(fleet, workers)
             times = [first]
             while first < quick_seconds and len(times) < repeats:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections import Counter
 from dataclasses import dataclass, field, replace
 
 from ortools.linear_solver import pywraplp
@@ -71,9 +72,7 @@ def make_columns(
         if demand[job] <= 0:
             continue
         for t in templates.get(job, []):
-            usage: dict[str, int] = {}
-            for n in t.nodes:
-                usage[n] = usage.get(n, 0) + 1
+            usage = Counter(t.nodes)
             for region in market.regions:
                 price = market.template_price(region, t.nodes)
                 if price is not None:
@@ -200,14 +199,13 @@ class _Model:
         solver.SetTimeLimit(int(s.time_limit_s * 1000))
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, s.relative_gap)
+        # SCIP and HiGHS run single-threaded (SCIP segfaulted with threads > 1).
         if s.backend == "cp-sat":
             # Fixed seed and interleaved workers: the same inputs give the same plan.
             solver.SetSolverSpecificParametersAsString(
                 f"num_workers:{s.threads} interleave_search:true random_seed:0 "
                 f"relative_gap_limit:{s.relative_gap}"
             )
-        else:
-            pass  # SCIP and HiGHS run single-threaded here (SCIP segfaulted with threads > 1)
         start = time.perf_counter()
         status = solver.Solve(params)
         return status, time.perf_counter() - start

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import csv
+import hashlib
+import json
 from importlib import resources
 from pathlib import Path
 from typing import Any, TypeVar
@@ -86,3 +88,9 @@ def read_two_column_csv(path: Path) -> list[tuple[float, float]]:
                     "write one 'x,ms' pair per line, no header",
                 ) from exc
     return rows
+
+
+def digest(obj: Any) -> str:
+    """A short stable hash of a JSON-able value (keys sorted): names an input in hashes."""
+    text = json.dumps(obj, sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]

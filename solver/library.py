@@ -8,9 +8,7 @@ caller asks for a rebuild: a stale library is never used silently.
 
 from __future__ import annotations
 
-import hashlib
 import importlib
-import json
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ProcessPoolExecutor
@@ -20,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from solver.errors import InputError
+from solver.io import digest
 from solver.perf import PERF_MODEL_VERSION
 from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode
@@ -71,11 +70,6 @@ def library_filename(model: str, phase: str, slo_ms: dict[str, float], mode: str
     return f"{model}__{phase}__{slo}ms__{mode}.json"
 
 
-def _digest(obj: Any) -> str:
-    text = json.dumps(obj, sort_keys=True, default=str)
-    return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
 def input_hashes(
     perf: PerfModel, fleet: FleetConfig, model: str, phase: LibPhase
 ) -> dict[str, str]:
@@ -84,12 +78,12 @@ def input_hashes(
     spec = fleet.models[model]
     slo = spec.slo_ms.model_dump()
     return {
-        "gpu_data": _digest(
+        "gpu_data": digest(
             {g: perf.catalog.gpus[g].model_dump() for g in sorted(perf.catalog.gpus)}
         ),
-        "node_configs": _digest([perf.catalog.node(n).model_dump() for n in nodes]),
-        "model_card": _digest(perf.card(model).model_dump()),
-        "perf_model": _digest(
+        "node_configs": digest([perf.catalog.node(n).model_dump() for n in nodes]),
+        "model_card": digest(perf.card(model).model_dump()),
+        "perf_model": digest(
             {
                 "version": PERF_MODEL_VERSION,
                 "settings": perf.settings.model_dump(),
@@ -100,7 +94,7 @@ def input_hashes(
                 "measured": sorted(map(str, perf.measured.tables)),
             }
         ),
-        "slo_and_workload": _digest(
+        "slo_and_workload": digest(
             {
                 "slo": slo,
                 "prompt": spec.mean_prompt_tokens,
@@ -108,9 +102,9 @@ def input_hashes(
                 "phase": phase,
             }
         ),
-        "n_max": _digest(fleet.library.n_max),
-        "rho": _digest(fleet.library.rho),
-        "mode": _digest(fleet.library.mode),
+        "n_max": digest(fleet.library.n_max),
+        "rho": digest(fleet.library.rho),
+        "mode": digest(fleet.library.mode),
     }
 
 

@@ -77,6 +77,19 @@ class Plan(BaseModel):
     solver: SolverReport | None = Field(description="None for greedy baselines.")
     input_hashes: dict[str, str]
 
+    def unpaired(self, models: set[str] | None = None) -> list[tuple[str, str, str, list[str]]]:
+        """(model, cloud, region, phases) where a disaggregated model runs only prefill or only
+        decode instances (of `models`, default all): pairs that cannot hand over KV there."""
+        phases: dict[tuple[str, str, str], set[str]] = {}
+        for i in self.instances:
+            if i.phase in ("prefill", "decode") and (models is None or i.model in models):
+                phases.setdefault((i.model, i.cloud, i.region), set()).add(i.phase)
+        return [
+            (model, cloud, region, sorted(seen))
+            for (model, cloud, region), seen in sorted(phases.items())
+            if seen != {"prefill", "decode"}
+        ]
+
     def counts(self) -> dict[tuple[str, str, str, str, str], int]:
         """(model, phase, cloud, region, template) -> instances: the running fleet nu0."""
         out: dict[tuple[str, str, str, str, str], int] = {}

@@ -6,20 +6,21 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from solver.allocation import Column, Job, Problem, Solution, make_columns, solve_allocation
 from solver.catalog import Catalog
 from solver.errors import InputError
+from solver.io import digest
 from solver.library import Library, build_libraries, load_library, save_library
 from solver.market import Market, build_market
 from solver.plan import Instance, JobResult, Method, Plan, instance_key, template_ref
 from solver.profile import PerfModel
 from solver.stack import FleetConfig
+from solver.validate import validate_plan
+
+LIBRARY_ROOT = Path(".coral/library")  # default cache: one folder per stack, in the project
 
 
 def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
@@ -73,10 +74,6 @@ def libraries_for(
             save_library(lib, directory)
             libs[(lib.model, lib.phase)] = lib
     return libs
-
-
-def _digest(obj: Any) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
 def plan_from_solution(
@@ -148,15 +145,15 @@ def plan_from_solution(
         binding=solution.binding,
         solver=solution.report,
         input_hashes={
-            "libraries": _digest({f"{m}/{p}": lib.input_hashes for (m, p), lib in libs.items()}),
-            "market": _digest(
+            "libraries": digest({f"{m}/{p}": lib.input_hashes for (m, p), lib in libs.items()}),
+            "market": digest(
                 [
                     market.as_rows(),
                     sorted((f"{r}/{g}", n) for (r, g), n in market.gpu_pools.items()),
                 ]
             ),
-            "demand": _digest(sorted(demand.items())),
-            "allocation": _digest(fleet.allocation.model_dump()),
+            "demand": digest(sorted(demand.items())),
+            "allocation": digest(fleet.allocation.model_dump()),
         },
     )
 
@@ -187,3 +184,25 @@ def plan_stack(
         problem = Problem(needed, columns, market, fleet.allocation, running)
         solution = solve_allocation(problem)
     return plan_from_solution(stack, method, fleet, market, demand, columns, solution, libs)
+
+
+def plan_with_library(
+    stack: str,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    directory: Path,
+    previous: Plan | None = None,
+    method: Method = "coral",
+    workers: int = 2,
+    progress: Callable[[Job, int, int], None] | None = None,
+    rebuild_stale: bool = True,
+) -> Plan:
+    """Load (or build) the stack's libraries from `directory`, plan, and validate the plan.
+
+    What `coral plan` and the Pulumi program both run.
+    """
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet)), directory, True, workers, progress, rebuild_stale
+    )
+    plan = plan_stack(stack, fleet, perf.catalog, libs, previous, method)
+    return validate_plan(plan, fleet, perf.catalog, perf.cards)

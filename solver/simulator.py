@@ -310,15 +310,17 @@ def simulate(
         ctx = spec.decode_context_tokens
         by_phase: dict[str, list[InstanceModel]] = {}
         names: dict[str, list[str]] = {}
+        shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
         for inst in plan.instances:
             if inst.model != model:
                 continue
-            t = plan.templates[template_ref(model, inst.phase, inst.template)]
-            by_phase.setdefault(inst.phase, []).append(
-                InstanceModel(
-                    perf, t, ctx, spec.mean_prompt_tokens, (spec.slo_ms.prefill, spec.slo_ms.decode)
+            ref = template_ref(model, inst.phase, inst.template)
+            if ref not in shared:
+                slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
+                shared[ref] = InstanceModel(
+                    perf, plan.templates[ref], ctx, spec.mean_prompt_tokens, slo
                 )
-            )
+            by_phase.setdefault(inst.phase, []).append(shared[ref])
             names.setdefault(inst.phase, []).append(inst.key)
         n = len(trace)
         first = np.full(n, np.inf)

@@ -233,6 +233,16 @@ class FleetConfig(BaseModel):
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
     deploy: DeploySettings = Field(default_factory=DeploySettings)
 
+    def with_mode(self, mode: str) -> FleetConfig:
+        """This fleet with another runtime mode (e.g. from a `--mode` option).
+
+        Raises:
+            InputError: an unknown mode.
+        """
+        if mode not in ("vllm", "general"):
+            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
+        return self.model_copy(update={"library": self.library.model_copy(update={"mode": mode})})
+
     @model_validator(mode="after")
     def _consistent(self) -> FleetConfig:
         if len(set(self.node_configs)) != len(self.node_configs):

@@ -34,8 +34,6 @@ from solver.profile import PerfModel
 from solver.stack import FleetConfig, Mode, ModelSpec
 from solver.template import LibPhase, ServingTemplate, Stage, StageMember, template_key
 
-PHASES: tuple[LibPhase, ...] = ("prefill", "decode")
-
 
 def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
     """(node configs sold in the fleet's regions, listed ones no offer there sells)."""
@@ -132,9 +130,6 @@ class RowSource:
             return np.where((pre > 0) & (dec > 0), 1.0 / (p / pre + o / dec), 0.0)
 
 
-Layout = Literal["general", "per_gpu", "per_node"]
-
-
 @dataclass(frozen=True)
 class Candidate:
     """A placed multiset before it becomes a `ServingTemplate` (cheap to pickle and prune).
@@ -144,7 +139,6 @@ class Candidate:
     """
 
     nodes: tuple[str, ...]
-    layout: Layout
     mode: Mode
     placement: Placement
     procs: tuple[tuple[int, tuple[int, ...], int], ...]
@@ -170,12 +164,6 @@ def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candi
     return max(found, key=lambda c: c.throughput, default=None)
 
 
-def place_multiset(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> ServingTemplate | None:
-    """`best_candidate` as a full template."""
-    cand = best_candidate(rows, nodes, mode)
-    return None if cand is None else to_template(rows, cand)
-
-
 def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     labels = tuple(sorted(set(nodes)).index(n) for n in nodes)
     tables = {s: rows.rows_for(nodes, s) for s in range(1, len(nodes) + 1)}
@@ -191,7 +179,7 @@ def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     procs = tuple(
         (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
     )
-    return Candidate(nodes, "general", "general", placement, procs)
+    return Candidate(nodes, "general", placement, procs)
 
 
 def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
@@ -204,7 +192,7 @@ def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     if placement is None:
         return None
     procs = tuple((k, tuple(range(tp)), tp) for k in range(len(nodes)))
-    return Candidate(nodes, "per_node", "vllm", placement, procs)
+    return Candidate(nodes, "vllm", placement, procs)
 
 
 def _vllm_per_gpu(
@@ -228,7 +216,7 @@ def _vllm_per_gpu(
     placement = rows.chain_over_gpus(gpus)
     if placement is None:
         return None
-    return Candidate(nodes, "per_gpu", "vllm" if decode_pp1 else "general", placement, procs)
+    return Candidate(nodes, "vllm" if decode_pp1 else "general", placement, procs)
 
 
 def to_template(rows: RowSource, cand: Candidate) -> ServingTemplate:

@@ -104,13 +104,8 @@ def plan_problems(
     if fleet.allocation.colocate_phases:
         demanded = {(j.model, j.phase) for j in plan.jobs if j.demand > 0}
         paired = {m for m, ph in demanded if ph == "prefill" and (m, "decode") in demanded}
-        phases: dict[tuple[str, str, str], set[str]] = {}
-        for inst in plan.instances:
-            if inst.model in paired and inst.phase in ("prefill", "decode"):
-                phases.setdefault((inst.model, inst.cloud, inst.region), set()).add(inst.phase)
-        for (model, cloud, where), seen in sorted(phases.items()):
-            if seen != {"prefill", "decode"}:
-                problems.append(f"{model}: only {'/'.join(sorted(seen))} in {cloud}:{where}")
+        for model, cloud, where, seen in plan.unpaired(paired):
+            problems.append(f"{model}: only {'/'.join(seen)} in {cloud}:{where}")
     budget = fleet.allocation.budget_usd_per_hour
     if budget is not None and total > budget + 1e-6 and plan.method != "homo":
         problems.append(f"hourly cost {total:.2f} exceeds the budget {budget}")
