@@ -13,18 +13,34 @@ from coral_iac.console import STACKS_DIR, err, out, progress_bar, reports_errors
 
 METHODS = ("coral", "homo", "cauchy")
 
+# The paper's headline ratios (../shared/reference/paper.md, Sec. 6.3-6.5): cost of Homo and
+# Cauchy over Coral's at default demand; under scarcity, Coral's goodput over theirs.
+PAPER = {
+    "paper-core": "cost 1.62x Homo, 1.60x Cauchy",
+    "paper-extended": "cost 3.14x Homo, 2.66x Cauchy",
+    "paper-core-scarce": "goodput 1.24x Homo at equal cost; 1.51x cheaper than Cauchy",
+    "paper-extended-scarce": "goodput 7.64x Homo (at 1.52x its cost), 2.39x Cauchy (1.25x cheaper)",
+    "paper-extended-large-heavy": "cost 2.79x Homo, 3.47x Cauchy",
+    "paper-extended-small-heavy": "cost 2.34x Homo, 1.64x Cauchy",
+}
 
-def _simulate(plan: Any, fleet: Any, perf: Any, duration: float) -> dict[str, Any] | None:
-    """Simulated summary at the plan's served demand; None where the simulator cannot run it."""
-    from solver.errors import InputError
+
+def library_cache(fleet: Any) -> Path:
+    """One library folder per (node configs, library settings), shared by the stacks that have
+    the same ones (the paper's scenario stacks); files are checked against their input hashes."""
+    from solver.io import digest
+    from solver.planner import LIBRARY_ROOT
+
+    return LIBRARY_ROOT / f"bench-{digest([sorted(fleet.node_configs), fleet.library])}"
+
+
+def _simulate(plan: Any, fleet: Any, perf: Any, duration: float) -> dict[str, Any]:
+    """Simulated summary at the plan's served demand."""
     from solver.simulator import simulate
     from solver.traces import stack_traces
 
     traces = stack_traces(fleet.models, duration, scale=plan.served_fraction)
-    try:
-        return simulate(plan, fleet, perf, traces, duration).summary()
-    except InputError:
-        return None  # data-parallel stages (general mode) are not simulated
+    return simulate(plan, fleet, perf, traces, duration).summary()
 
 
 def bench(
@@ -33,6 +49,14 @@ def bench(
     modes: Annotated[list[str] | None, typer.Option("--mode", help="vllm and/or general.")] = None,
     duration: Annotated[float, typer.Option(help="Simulated seconds per plan.")] = 300,
     workers: Annotated[int, typer.Option(help="Workers for library builds.")] = 2,
+    target_utilization: Annotated[
+        float | None,
+        typer.Option(
+            min=0.05,
+            max=1.0,
+            help="Override allocation.target_utilization for every method (headroom).",
+        ),
+    ] = None,
 ) -> None:
     """Plan, simulate and compare every method; write the report and plots; print the table."""
     import matplotlib
@@ -41,7 +65,7 @@ def bench(
     import matplotlib.pyplot as plt
 
     from solver.defaults import load_perf_model
-    from solver.planner import LIBRARY_ROOT, libraries_for, plan_stack, stack_demand
+    from solver.planner import libraries_for, plan_stack, stack_demand
     from solver.stack import load_stack
 
     perf = load_perf_model()
@@ -51,12 +75,13 @@ def bench(
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
                 fleet = load_stack(STACKS_DIR, name).with_mode(mode)
+                if target_utilization is not None:
+                    allocation = fleet.allocation.model_copy(
+                        update={"target_utilization": target_utilization}
+                    )
+                    fleet = fleet.model_copy(update={"allocation": allocation})
                 libs = libraries_for(
-                    perf,
-                    fleet,
-                    list(stack_demand(fleet)),
-                    LIBRARY_ROOT / f"{name}-{mode}",
-                    workers=workers,
+                    perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
                 )
                 for method in METHODS:
                     plan = plan_stack(name, fleet, perf.catalog, libs, method=method)  # type: ignore[arg-type]
@@ -69,8 +94,8 @@ def bench(
                             "usd_per_hour": plan.hourly_cost_usd,
                             "served": plan.served_fraction,
                             "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
-                            "goodput": sim["goodput_tokens_per_s"] if sim else None,
-                            "attainment": sim["slo_attainment"] if sim else None,
+                            "goodput": sim["goodput_tokens_per_s"],
+                            "attainment": sim["slo_attainment"],
                             "cost_by_model": {
                                 m: sum(v.values()) for m, v in plan.cost_by_model.items()
                             },
@@ -82,10 +107,11 @@ def bench(
     cols = ("stack", "mode", "method", "$/hour", "served", "goodput tok/s", "SLO met", "solve s")
     for c in cols:
         table.add_column(c, justify="left" if c in ("stack", "mode", "method") else "right")
+    u = "each stack's" if target_utilization is None else f"{target_utilization:g}"
     md = [
         "# Coral vs baselines",
         "",
-        f"Simulated {duration:g} s per plan at its served demand.",
+        f"Simulated {duration:g} s per plan at its served demand; target utilization {u}.",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
@@ -97,16 +123,14 @@ def bench(
             r["method"],
             f"{r['usd_per_hour']:.2f}",
             f"{r['served']:.3f}",
-            "-" if r["goodput"] is None else f"{r['goodput']:,.0f}",
-            "-" if r["attainment"] is None else f"{100 * r['attainment']:.1f}%",
+            f"{r['goodput']:,.0f}",
+            f"{100 * r['attainment']:.1f}%",
             f"{r['solve_s']:.2f}",
         ]
         table.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
+    md += ["", *headline(rows), ""]
     md += [
-        "",
-        "- means not simulated: the simulator does not model general mode's data-parallel stages.",
-        "",
         "![cost by model](cost_by_model.png)",
         "![goodput](goodput.png)",
         "![solve time](solve_time.png)",
@@ -115,6 +139,31 @@ def bench(
     _plots(plt, rows, out_dir)
     out.print(table)
     err.print(f"Wrote {out_dir / 'report.md'} and 3 plots")
+
+
+def headline(rows: list[dict[str, Any]]) -> list[str]:
+    """Ratios per stack and mode next to the paper's: Homo's and Cauchy's cost over Coral's,
+    and Coral's goodput over theirs (the scarce scenarios' measure)."""
+    out = [
+        "## Headline ratios",
+        "",
+        "| stack | mode | Homo $ / Coral $ | Cauchy $ / Coral $ | Coral goodput / Homo "
+        "| Coral goodput / Cauchy | paper |",
+        "|---|---|---:|---:|---:|---:|---|",
+    ]
+    by = {(r["stack"], r["mode"], r["method"]): r for r in rows}
+    for stack, mode in dict.fromkeys((r["stack"], r["mode"]) for r in rows):
+        c, h, k = (by[(stack, mode, m)] for m in METHODS)
+
+        def ratio(a: float, b: float) -> str:
+            return f"{a / b:.2f}x" if b > 0 else "-"
+
+        out.append(
+            f"| {stack} | {mode} | {ratio(h['usd_per_hour'], c['usd_per_hour'])} "
+            f"| {ratio(k['usd_per_hour'], c['usd_per_hour'])} | {ratio(c['goodput'], h['goodput'])} "
+            f"| {ratio(c['goodput'], k['goodput'])} | {PAPER.get(stack, '')} |"
+        )
+    return out
 
 
 def _plots(plt: Any, rows: list[dict[str, Any]], out_dir: Path) -> None:

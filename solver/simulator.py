@@ -2,11 +2,12 @@
 
 What is modelled:
 
-- **Instances.** Each serving instance of the plan is a pipeline of its template's stages (one
-  process per stage, as vllm mode places them; data-parallel stages of general mode are
-  refused rather than misread). A
+- **Instances.** Each serving instance of the plan is a pipeline of its template's stages. A
   stage's time comes from the same function the template library uses
-  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop).
+  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop). A
+  data-parallel stage (general mode: several members hold the same layers) splits each
+  micro-batch across its members in proportion to their speed, and takes as long as its slowest
+  share; its KV capacity is the sum of its members'.
 - **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
   - a new prefill micro-batch can start every max_s(stage time), and each finishes after the
     sum of its stages;
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from solver.errors import InputError
+from solver.perf import Phase
 from solver.plan import Plan, template_ref
 from solver.profile import PerfModel
 from solver.stack import FleetConfig
@@ -49,9 +50,14 @@ from solver.traces import Trace
 
 
 @dataclass(frozen=True)
-class Stage:
+class Member:
     node: str  # node config whose speed and network apply (x1 for one-GPU processes)
     tp: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    members: tuple[Member, ...]  # more than one: data parallel, each with a share of the batch
     layers: int
     hop: bool
 
@@ -67,28 +73,36 @@ class InstanceModel:
         prompt: float,
         slo_ms: tuple[float, float] | None = None,
     ) -> None:
-        if any(len(st.members) != 1 for st in template.stages):
-            raise InputError(
-                f"template {template.key} ({template.model} {template.phase})",
-                "has data-parallel stages, which the simulator does not model",
-                "simulate plans of `library: {mode: vllm}` stacks (chains, one process per stage)",
-            )
         self.perf, self.model = perf, template.model
         self.throughput = template.throughput
         card = perf.card(template.model)
         s_count = len(template.stages)
         self.stages: list[Stage] = []
         for i, st in enumerate(template.stages):
-            m = st.members[0]
-            cfg = perf.catalog.node(template.nodes[m.node])
-            node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
-            self.stages.append(Stage(node, m.tp, st.layers, hop=i < s_count - 1 or s_count > 1))
+            members = []
+            for m in st.members:
+                cfg = perf.catalog.node(template.nodes[m.node])
+                node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
+                members.append(Member(node, m.tp))
+            self.stages.append(Stage(tuple(members), st.layers, hop=i < s_count - 1 or s_count > 1))
+        self.ctx, self.prompt = spec_ctx, prompt
+        # A data-parallel stage's share per member: proportional to the member's speed at a
+        # typical batch (decode: 32 sequences; prefill: one mean prompt).
+        self._shares = {
+            (i, phase): self._member_shares(i, phase)
+            for i in range(len(self.stages))
+            for phase in ("prefill", "decode")
+        }
         self.kv_capacity = min(
-            perf.kv_capacity_tokens(card, perf.catalog.node(s.node), s.tp, s.layers)
+            sum(
+                perf.kv_capacity_tokens(card, perf.catalog.node(m.node), m.tp, s.layers)
+                for m in s.members
+            )
             for s in self.stages
         )
-        self.ctx, self.prompt = spec_ctx, prompt
-        self.network_gbps = min(perf.catalog.node(s.node).network_gbps for s in self.stages)
+        self.network_gbps = min(
+            perf.catalog.node(m.node).network_gbps for s in self.stages for m in s.members
+        )
         self.kv_bytes_per_token = card.kv_bytes_per_token_per_layer * card.layers
         self._decode: dict[int, float] = {}
         self._prefill: dict[int, tuple[float, float]] = {}
@@ -108,15 +122,32 @@ class InstanceModel:
                 ),
             )
 
+    def _member_shares(self, i: int, phase: Phase) -> tuple[float, ...]:
+        stage = self.stages[i]
+        if len(stage.members) == 1:
+            return (1.0,)
+        ref = 32 if phase == "decode" else max(1, round(self.prompt))
+        speed = [1.0 / self._member_ms(m, stage, phase, ref) for m in stage.members]
+        return tuple(v / sum(speed) for v in speed)
+
+    def _member_ms(self, m: Member, stage: Stage, phase: Phase, size: int) -> float:
+        context = self.ctx if phase == "decode" else self.prompt
+        return self.perf.stage_time_ms(
+            self.model, m.node, m.tp, phase, size, context, stage.layers, stage.hop
+        )
+
+    def stage_ms(self, i: int, phase: Phase, size: int) -> float:
+        """Stage i's time for a micro-batch of `size` (sequences or tokens): its slowest share."""
+        stage = self.stages[i]
+        return max(
+            self._member_ms(m, stage, phase, math.ceil(size * share))
+            for m, share in zip(stage.members, self._shares[(i, phase)], strict=True)
+        )
+
     def decode_round_ms(self, running: int) -> float:
         if running not in self._decode:
             micro = math.ceil(running / len(self.stages))
-            worst = max(
-                self.perf.stage_time_ms(
-                    self.model, s.node, s.tp, "decode", micro, self.ctx, s.layers, s.hop
-                )
-                for s in self.stages
-            )
+            worst = max(self.stage_ms(i, "decode", micro) for i in range(len(self.stages)))
             self._decode[running] = len(self.stages) * worst
         return self._decode[running]
 
@@ -124,12 +155,7 @@ class InstanceModel:
         """(latency, period): sum and max of the stage times for a micro-batch of `tokens`."""
         key = -(-tokens // 64) * 64  # cache at 64-token granularity (rounded up)
         if key not in self._prefill:
-            times = [
-                self.perf.stage_time_ms(
-                    self.model, s.node, s.tp, "prefill", key, self.prompt, s.layers, s.hop
-                )
-                for s in self.stages
-            ]
+            times = [self.stage_ms(i, "prefill", key) for i in range(len(self.stages))]
             self._prefill[key] = (sum(times), max(times))
         return self._prefill[key]
 

@@ -23,3 +23,21 @@ def data_parallel_template(model: str, layers: int) -> ServingTemplate:
         unit="tokens/s",
         stage_budget_ms=[1.0],
     )
+
+
+def single_node_template(model: str, node: str, layers: int) -> ServingTemplate:
+    """One node holding every layer in one process (TP over all its GPUs)."""
+    gpus = int(node.rsplit("x", 1)[1])
+    return ServingTemplate(
+        key=node,
+        model=model,
+        phase="prefill",
+        mode="vllm",
+        nodes=[node],
+        stages=[
+            Stage(layers=layers, members=[StageMember(node=0, gpus=list(range(gpus)), tp=gpus)])
+        ],
+        throughput=1.0,
+        unit="tokens/s",
+        stage_budget_ms=[1.0],
+    )

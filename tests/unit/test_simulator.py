@@ -166,12 +166,18 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
     assert data["requests"] == data["finished"] > 0
 
 
-def test_data_parallel_stages_are_refused_not_misread():
+def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
     from solver.simulator import InstanceModel
-    from tests.factories import data_parallel_template
+    from tests.factories import data_parallel_template, single_node_template
 
-    with pytest.raises(InputError, match="data-parallel"):
-        InstanceModel(perf(), data_parallel_template("phi-4", 40), 1000, 1000)
+    pm = perf()
+    two = InstanceModel(pm, data_parallel_template("phi-4", 40), 1000, 1000)
+    one = InstanceModel(pm, single_node_template("phi-4", "l40sx1", 40), 1000, 1000)
+    # Two identical members: each takes half the batch, and together hold twice the KV.
+    assert two.kv_capacity == 2 * one.kv_capacity
+    assert two.prefill_ms(4096) == one.prefill_ms(2048)
+    assert two.decode_round_ms(64) == one.decode_round_ms(32)
+    assert two.decode_round_ms(64) < one.decode_round_ms(64)
 
 
 def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
@@ -188,7 +194,10 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
     )
     assert r.exit_code == 0, r.output
     report = (out / "report.md").read_text()
-    assert report.count("| dev | vllm |") == 3  # coral, homo, cauchy
+    for method in ("coral", "homo", "cauchy"):
+        assert report.count(f"| dev | vllm | {method} |") == 1
+    headline = report.split("## Headline ratios")[1]
+    assert headline.count("| dev | vllm |") == 1
     for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
