@@ -14,6 +14,7 @@ from rich.table import Table
 
 from coral_iac.bench_cli import register as register_bench_command
 from coral_iac.console import STACKS_DIR, err, out, print_json, progress_bar, reports_errors
+from coral_iac.demand_cli import demand_app
 from coral_iac.deploy_cli import register as register_deploy_commands
 from coral_iac.plan_cli import plan_app
 from coral_iac.sim_cli import register as register_simulate_command
@@ -30,6 +31,7 @@ profile_app = typer.Typer(
 app.add_typer(catalog_app, name="catalog")
 app.add_typer(profile_app, name="profile")
 app.add_typer(plan_app, name="plan")
+app.add_typer(demand_app, name="demand")
 register_deploy_commands(app)
 register_simulate_command(app)
 register_bench_command(app)

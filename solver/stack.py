@@ -218,6 +218,71 @@ class DeploySettings(BaseModel):
         return self
 
 
+DemandKind = Literal["config", "file", "prometheus"]
+
+
+class PrometheusSource(BaseModel):
+    """Live demand: rates of vLLM's own token counters, from Prometheus's HTTP API."""
+
+    model_config = FROZEN
+    url: str = Field(pattern=r"^https?://\S+$", description="Prometheus base URL.")
+    window: str = Field(
+        default="1h",
+        pattern=r"^[1-9][0-9]*(s|m|h|d|w)$",
+        description="rate() range, a Prometheus duration (e.g. 1h).",
+    )
+    headroom: float = Field(default=1.2, ge=1, description="Measured tokens/s times this.")
+    floor: Demand | None = Field(
+        default=None, description="Least demand of every model (also when it has no samples)."
+    )
+    model_floors: dict[str, Demand] = Field(
+        default_factory=dict, description="Least demand per model; overrides `floor`."
+    )
+    timeout_s: float = Field(default=10, gt=0, le=120, description="Per HTTP request.")
+    model_label: str = Field(
+        default="model_name",
+        pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",
+        description="Label naming the model on vLLM's metrics (vLLM: model_name).",
+    )
+    phase_label: str = Field(
+        default="coral_phase",
+        pattern=r"^[a-zA-Z_][a-zA-Z0-9_]*$",
+        description="Scrape label carrying a node's coral:phase tag: prompt tokens are counted "
+        "off decode nodes and output tokens off prefill nodes (no double counting). Series "
+        "without it all count.",
+    )
+    on_unreachable: Literal["fail", "file"] = Field(
+        default="fail",
+        description="Prometheus down: fail, or use the stack's demand file with a warning.",
+    )
+
+
+class DemandSource(BaseModel):
+    """Where `coral plan` and the program take each model's demand from."""
+
+    model_config = FROZEN
+    kind: DemandKind = Field(
+        default="config",
+        description="config: models.<m>.demand; file: the stack's demand file; prometheus: "
+        "live rates (`coral demand refresh` writes them to the demand file).",
+    )
+    file: str | None = Field(
+        default=None,
+        description="Demand file, relative to the stacks folder (default demand/<stack>.yaml).",
+    )
+    prometheus: PrometheusSource | None = None
+
+    @model_validator(mode="after")
+    def _settings_match_kind(self) -> DemandSource:
+        if self.kind == "prometheus" and self.prometheus is None:
+            raise ValueError("kind prometheus needs a `prometheus: {url: ...}` block")
+        if self.kind != "prometheus" and self.prometheus is not None:
+            raise ValueError(f"a `prometheus` block needs kind prometheus, not {self.kind}")
+        if self.kind == "config" and self.file is not None:
+            raise ValueError("`file` needs kind file or prometheus, not config")
+        return self
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -232,6 +297,10 @@ class FleetConfig(BaseModel):
     prices: list[PriceOverride] = Field(default_factory=list)
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
     deploy: DeploySettings = Field(default_factory=DeploySettings)
+    demand_source: DemandSource = Field(
+        default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
+    )
+
 
     def with_mode(self, mode: str) -> FleetConfig:
         """This fleet with another runtime mode (e.g. from a `--mode` option).
@@ -261,6 +330,16 @@ class FleetConfig(BaseModel):
             if (pool.cloud, pool.region) not in regions:
                 raise ValueError(
                     f"gpu_pools[{i}]: region {pool.cloud}:{pool.region} not in regions"
+                )
+        return self
+
+    @model_validator(mode="after")
+    def _demand_floors_name_models(self) -> FleetConfig:
+        prom = self.demand_source.prometheus
+        for model in prom.model_floors if prom else {}:
+            if model not in self.models:
+                raise ValueError(
+                    f"demand_source.prometheus.model_floors: model {model} is not in models"
                 )
         return self
 

@@ -1,0 +1,204 @@
+"""Demand sources with I/O: the Prometheus client, and `resolve_demand` for plan and program.
+
+`resolve_demand(fleet, stack, stacks_dir)` is what `coral plan` and the Pulumi program call: it
+reads the stack's `demand_source` and returns the fleet with each model's demand replaced by the
+source's figures. The pure rules (headroom, floors, fallbacks) are in `solver/demand.py`; this
+module only reads files and asks Prometheus's HTTP API (`GET /api/v1/query`, an instant query)
+for `rate()` of vLLM's counters `vllm:prompt_tokens_total` and `vllm:generation_tokens_total`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from solver.demand import (
+    GENERATION_METRIC,
+    PROMPT_METRIC,
+    DemandFile,
+    DemandReport,
+    MeasuredRates,
+    config_demand,
+    file_demand,
+    load_demand_file,
+    rate_query,
+    rates_demand,
+    with_floors,
+)
+from solver.errors import InputError
+from solver.stack import FleetConfig, PrometheusSource
+
+log = logging.getLogger(__name__)
+URL_FIELD = "coral:fleet.demand_source.prometheus.url"
+
+
+class PrometheusUnreachable(InputError):
+    """Prometheus did not answer at all (connection refused, DNS, timeout)."""
+
+
+def demand_file_path(fleet: FleetConfig, stack: str, stacks_dir: Path) -> Path:
+    """The stack's demand file: `demand_source.file` or `demand/<stack>.yaml`, under stacks/."""
+    return stacks_dir / (fleet.demand_source.file or f"demand/{stack}.yaml")
+
+
+def query_vector(
+    settings: PrometheusSource, promql: str, client: httpx.Client | None = None
+) -> dict[str, float]:
+    """One instant query; returns {model label value: sample value}.
+
+    Raises:
+        PrometheusUnreachable: no answer from the server (the message names the URL).
+        InputError: an HTTP error status, a Prometheus error, or a result that is not a vector.
+    """
+    url = settings.url.rstrip("/") + "/api/v1/query"
+    try:
+        with client or httpx.Client(timeout=settings.timeout_s) as http:
+            response = http.get(url, params={"query": promql})
+    except httpx.TransportError as e:
+        raise PrometheusUnreachable(
+            URL_FIELD,
+            f"cannot reach Prometheus at {url} ({type(e).__name__}: {e})",
+            "check the URL and that this machine can reach it, or pass --prometheus URL",
+        ) from e
+    body = _json(response)
+    if response.status_code != 200 or body.get("status") != "success":
+        reason = body.get("error") or response.text[:200]
+        raise InputError(
+            URL_FIELD,
+            f"Prometheus at {url} answered HTTP {response.status_code} to `{promql}`: {reason}",
+            "check the URL points at Prometheus itself (not Grafana) and the query's labels",
+        )
+    data = body.get("data") or {}
+    if data.get("resultType") != "vector":
+        raise InputError(URL_FIELD, f"expected a vector from `{promql}`, got {data!r:.200}")
+    out: dict[str, float] = {}
+    for sample in data.get("result", []):
+        model = sample.get("metric", {}).get(settings.model_label)
+        if model is not None:
+            out[model] = out.get(model, 0.0) + float(sample["value"][1])
+    return out
+
+
+def _json(response: httpx.Response) -> dict[str, Any]:
+    try:
+        body = response.json()
+    except ValueError:
+        return {}
+    return body if isinstance(body, dict) else {}
+
+
+def measure_rates(settings: PrometheusSource, client: httpx.Client | None = None) -> MeasuredRates:
+    """Prompt and generated tokens/s per model over the window (see `solver.demand.rate_query`)."""
+    prompt_q = rate_query(PROMPT_METRIC, settings, skip_phase="decode")
+    generation_q = rate_query(GENERATION_METRIC, settings, skip_phase="prefill")
+    return MeasuredRates(
+        prompt_tokens_per_s=query_vector(settings, prompt_q, client),
+        generation_tokens_per_s=query_vector(settings, generation_q, client),
+        queries=[prompt_q, generation_q],
+    )
+
+
+def demand_report(
+    fleet: FleetConfig,
+    stack: str,
+    stacks_dir: Path,
+    prometheus_url: str | None = None,
+    client: httpx.Client | None = None,
+) -> DemandReport:
+    """Resolve every model's demand from the stack's source, with origins and warnings.
+
+    A prometheus source that cannot be reached fails, unless `on_unreachable: file`: then the
+    stack's demand file (the last `coral demand refresh --write`) is used, with a warning.
+
+    Raises:
+        InputError: the source cannot give a model its demand (the message says which and why).
+    """
+    source = fleet.demand_source
+    if source.kind == "config":
+        return config_demand(fleet)
+    path = demand_file_path(fleet, stack, stacks_dir)
+    if source.kind == "file":
+        return file_demand(fleet, load_demand_file(path), str(path))
+    assert source.prometheus is not None  # the schema requires it for kind prometheus
+    settings = source.prometheus
+    if prometheus_url is not None:
+        settings = settings.model_copy(update={"url": prometheus_url})
+    try:
+        return rates_demand(fleet, measure_rates(settings, client), settings)
+    except PrometheusUnreachable as e:
+        if settings.on_unreachable != "file":
+            raise
+        report = file_demand(fleet, load_demand_file(path), str(path))
+        warning = f"{e.problem}: using the last refreshed demand in {path}"
+        report = report.model_copy(
+            update={"kind": "prometheus", "warnings": [warning, *report.warnings]}
+        )
+        return with_floors(fleet, report, settings)
+
+
+def resolve_demand(
+    fleet: FleetConfig,
+    stack: str,
+    stacks_dir: Path,
+    warn: Callable[[str], None] | None = None,
+) -> FleetConfig:
+    """The fleet with each model's demand from its demand source; warnings go to `warn`.
+
+    What `coral plan` and the Pulumi program call (`warn`: the CLI's console, or
+    `pulumi.log.warn`; default: this module's logger).
+
+    Raises:
+        InputError: as `demand_report`.
+    """
+    report = demand_report(fleet, stack, stacks_dir)
+    for line in report.warnings:
+        (warn or log.warning)(line)
+    return report.apply(fleet)
+
+
+def refresh_file(
+    fleet: FleetConfig,
+    stack: str,
+    prometheus_url: str | None = None,
+    client: httpx.Client | None = None,
+    now: dt.datetime | None = None,
+) -> tuple[DemandFile, list[str], DemandReport]:
+    """Measure demand now (never falling back to the file) and build the demand file.
+
+    Returns the file, its header comment lines and the report behind it.
+
+    Raises:
+        InputError: the stack has no prometheus source, or Prometheus cannot be read.
+    """
+    settings = fleet.demand_source.prometheus
+    if settings is None:
+        raise InputError(
+            "coral:fleet.demand_source.kind",
+            f"stack {stack} has demand source '{fleet.demand_source.kind}', not prometheus",
+            "only a prometheus source is refreshed; edit a file source by hand",
+        )
+    if prometheus_url is not None:
+        settings = settings.model_copy(update={"url": prometheus_url})
+    rates = measure_rates(settings, client)
+    report = rates_demand(fleet, rates, settings)
+    when = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).replace(microsecond=0)
+    doc = DemandFile(
+        source=f"coral demand refresh: Prometheus {settings.url}, rate over {settings.window} "
+        f"x headroom {settings.headroom:g}, floors applied",
+        retrieved_utc=when,
+        demand={m.model: m.demand for m in report.models},
+    )
+    header = [
+        f"Demand for stack {stack}, written by `coral demand refresh` at "
+        f"{when.strftime('%Y-%m-%dT%H:%M:%SZ')}.",
+        f"Source: Prometheus {settings.url}, window {settings.window}, headroom "
+        f"{settings.headroom:g}.",
+        *(f"Query: {q}" for q in rates.queries),
+        *(f"{m.model}: {m.origin}" for m in report.models if m.origin != "prometheus"),
+    ]
+    return doc, header, report
