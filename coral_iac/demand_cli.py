@@ -87,7 +87,11 @@ def refresh(
         bool, typer.Option("--write", help="Write the stack's demand file (default: stdout).")
     ] = False,
 ) -> None:
-    """Measure demand in Prometheus now and print (or --write) the stack's demand file."""
+    """Measure demand in Prometheus now and print (or --write) the stack's demand file.
+
+    Never falls back: Prometheus unreachable is an error (exit 1). A stack whose source is not
+    prometheus has nothing to refresh (exit 0).
+    """
     import sys
 
     from coral_iac.demand_sources import demand_file_path, refresh_file
@@ -95,6 +99,13 @@ def refresh(
     from solver.stack import load_stack
 
     fleet = load_stack(STACKS_DIR, stack)
+    if fleet.demand_source.kind != "prometheus":
+        # Not an error: the scheduled workflow refreshes every stack the same way.
+        err.print(
+            f"Stack {stack} takes its demand from {fleet.demand_source.kind}, not Prometheus: "
+            "nothing to refresh."
+        )
+        return
     doc, header, report = refresh_file(fleet, stack, prometheus)
     text = demand_file_text(doc, header)
     for line in report.warnings:
