@@ -137,7 +137,7 @@ MeasuredOpt = Annotated[
     typer.Option(
         "--measured",
         help="Folder of measured tables (<model>__<node>__<phase>.csv) that replace "
-        "the analytical model where present.",
+        "the analytical model where present (default: $CORAL_MEASURED_DIR when set).",
     ),
 ]
 
@@ -295,6 +295,77 @@ def profile_calibrate(
         err.print(f"Wrote {doc}")
     if not as_json:
         sys.stdout.write(md)
+
+
+@profile_app.command("measure")
+@reports_errors
+def profile_measure(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="Model id, e.g. llama2-70b.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the CSV and JSON sidecar.")],
+    batches: Annotated[
+        str | None, typer.Option(help="Decode batch sizes, e.g. 1,8,64 (default 1..256).")
+    ] = None,
+    tokens: Annotated[
+        str | None, typer.Option(help="Prefill token counts, e.g. 128,1024 (default 128..16384).")
+    ] = None,
+    context: Annotated[
+        int, typer.Option(help="Decode: KV-cache tokens per sequence; prefill: prompt length.")
+    ] = 1024,
+    engine: Annotated[str, typer.Option(help="torch (one layer) or vllm (the engine).")] = "torch",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree over local GPUs.")] = 1,
+    node: Annotated[
+        str | None, typer.Option(help="Node config to name the table (default <gpu>x<tp>).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
+    dtype: Annotated[
+        str | None, typer.Option(help="bfloat16 (GPU default), float16, float32 (CPU default).")
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per size.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed calls per size (median kept).")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of weights and inputs.")] = 0,
+    budget_s: Annotated[
+        float | None, typer.Option(help="Stop adding larger sizes after this many seconds.")
+    ] = None,
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="A toy-sized layer of the same kind (smoke runs).")
+    ] = False,
+    hf_config: Annotated[
+        str | None, typer.Option(help="vllm: config folder or HF repo (default: the card's).")
+    ] = None,
+    vllm_layers: Annotated[str, typer.Option(help="vllm: the two layer counts L1,L2.")] = "2,6",
+) -> None:
+    """Time one decoder layer on the local GPU (or CPU) and write a measured table.
+
+    Needs the optional extra: pip install 'coral-iac[profile]'.
+    """
+    try:
+        import torch  # noqa: F401
+
+        from profiler.command import parse_sizes, run_measure
+        from profiler.measure import MeasureSpec
+    except ImportError as exc:
+        # Printed without Rich markup, which would swallow "[profile]".
+        err.print(
+            f"Error: coral profile measure: the profiler needs torch, which cannot be imported "
+            f"({exc})\n  To fix: pip install 'coral-iac[profile]'",
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(1) from None
+    ph = _phase(phase)
+    given = [(p.opts[0], ctx.params[p.name or ""]) for p in ctx.command.params]
+    command = " ".join(
+        ["coral profile measure"]
+        + [opt if v is True else f"{opt} {v}" for opt, v in given if v not in (None, False)]
+    )
+    spec = MeasureSpec(
+        model, ph, parse_sizes(batches if ph == "decode" else tokens, ph), context, device,
+        dtype, warmup, repeats, seed, tp, node, budget_s, command,
+    )  # fmt: skip
+    path, record = run_measure(spec, out_dir, engine, tiny, hf_config, vllm_layers, err.print)
+    err.print(f"Wrote {path} ({len(record.points)} sizes, {record.device}, {record.dtype})")
 
 
 def main() -> None:  # pragma: no cover - console entry point

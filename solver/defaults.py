@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from solver.calibration import load_calibration
@@ -11,13 +12,22 @@ from solver.model_cards import load_model_cards
 from solver.perf import PerfSettings
 from solver.profile import PerfModel
 
+MEASURED_DIR_ENV = "CORAL_MEASURED_DIR"
+
 
 def load_perf_model(
     measured_dir: Path | None = None,
     catalog: Catalog | None = None,
     settings: PerfSettings | None = None,
 ) -> PerfModel:
-    """The shipped catalog, model cards and calibration; measured tables win where present."""
+    """The shipped catalog, model cards and calibration; measured tables win where present.
+
+    Args:
+        measured_dir: folder of measured tables; default $CORAL_MEASURED_DIR when set, so every
+            command (plan, bench, library builds) uses the same measurements.
+    """
+    if measured_dir is None and os.environ.get(MEASURED_DIR_ENV):
+        measured_dir = Path(os.environ[MEASURED_DIR_ENV])
     return PerfModel(
         catalog=catalog or load_catalog(),
         cards=load_model_cards(),

@@ -1,4 +1,4 @@
-"""Dependencies point one way: solver/ loads no cloud SDK, and the plan validator no solver."""
+"""Dependencies point one way: solver/ loads no cloud SDK nor torch, the plan validator no solver."""
 
 from __future__ import annotations
 
@@ -11,7 +11,8 @@ SOLVER_MODULES = (
     "solver.defaults, solver.skypilot, solver.calibration, solver.library, solver.allocation, "
     "solver.planner, solver.baselines, solver.monolithic, solver.simulator, solver.traces"
 )
-CLOUD = ("pulumi", "pulumi_aws", "pulumi_gcp", "boto3", "google", "coral_iac")
+# torch and the profiler are the optional `profile` extra: solver/ must import without them.
+CLOUD = ("pulumi", "pulumi_aws", "pulumi_gcp", "boto3", "google", "coral_iac", "torch", "profiler")
 SOLVERS = ("ortools", "solver.allocation", "solver.placement", "solver.template_library")
 
 
