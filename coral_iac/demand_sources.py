@@ -56,9 +56,11 @@ def query_vector(
         InputError: an HTTP error status, a Prometheus error, or a result that is not a vector.
     """
     url = settings.url.rstrip("/") + "/api/v1/query"
+    if client is None:
+        with httpx.Client(timeout=settings.timeout_s) as own:
+            return query_vector(settings, promql, own)
     try:
-        with client or httpx.Client(timeout=settings.timeout_s) as http:
-            response = http.get(url, params={"query": promql})
+        response = client.get(url, params={"query": promql})
     except httpx.TransportError as e:
         raise PrometheusUnreachable(
             URL_FIELD,
@@ -94,6 +96,9 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 def measure_rates(settings: PrometheusSource, client: httpx.Client | None = None) -> MeasuredRates:
     """Prompt and generated tokens/s per model over the window (see `solver.demand.rate_query`)."""
+    if client is None:
+        with httpx.Client(timeout=settings.timeout_s) as own:
+            return measure_rates(settings, own)
     prompt_q = rate_query(PROMPT_METRIC, settings, skip_phase="decode")
     generation_q = rate_query(GENERATION_METRIC, settings, skip_phase="prefill")
     return MeasuredRates(

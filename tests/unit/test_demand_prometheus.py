@@ -1,0 +1,189 @@
+"""The Prometheus demand source against a real Prometheus (Debian's package) on loopback.
+
+The test serves vLLM-style counters that grow at known rates, Prometheus scrapes them every
+half second, and the source must read back those rates (within 10%), times the headroom, raised to
+the floors, with a model without samples falling back and an unknown model reported.
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import threading
+import time
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coral_iac.cli import app
+from coral_iac.demand_sources import demand_report
+from solver.demand import DemandFile, load_demand_file
+from solver.stack import load_stack
+from tests.conftest import REPO
+
+# tokens/s each series grows by: (metric, model, coral_phase label or None) -> rate
+RATES = {
+    ("vllm:prompt_tokens_total", "qwen3-32b", "prefill"): 300.0,
+    ("vllm:generation_tokens_total", "qwen3-32b", "prefill"): 2.0,  # the 1st token, not demand
+    ("vllm:prompt_tokens_total", "qwen3-32b", "decode"): 300.0,  # the same prompts again
+    ("vllm:generation_tokens_total", "qwen3-32b", "decode"): 120.0,
+    ("vllm:prompt_tokens_total", "llama3-8b", None): 50.0,  # served, but not in the stack
+    ("vllm:generation_tokens_total", "llama3-8b", None): 5.0,
+}
+TOLERANCE = 0.10  # rate() over a 4 s window of 0.5 s scrapes, extrapolated at the edges
+
+
+class Counters(BaseHTTPRequestHandler):
+    start = time.monotonic()
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        elapsed = time.monotonic() - self.start
+        lines = []
+        for metric in sorted({m for m, _, _ in RATES}):
+            lines.append(f"# TYPE {metric.removesuffix('_total')} counter")
+            for (name, model, phase), rate in RATES.items():
+                if name == metric:
+                    labels = f'model_name="{model}",engine="0"'
+                    labels += f',coral_phase="{phase}"' if phase else ""
+                    lines.append(f"{metric}{{{labels}}} {1000 + rate * elapsed:.3f}")
+        body = ("\n".join(lines) + "\n").encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "text/plain; version=0.0.4")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def prometheus(tmp_path_factory) -> Iterator[str]:
+    binary = shutil.which("prometheus")
+    assert binary, "prometheus is missing: scripts/test installs Debian's package"
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Counters)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    work = tmp_path_factory.mktemp("prometheus")
+    config = {
+        "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
+        "scrape_configs": [
+            {
+                "job_name": "vllm",
+                "static_configs": [{"targets": [f"127.0.0.1:{server.server_port}"]}],
+            }
+        ],
+    }
+    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
+    port = free_port()
+    log = work / "log"
+    with log.open("w") as stderr:
+        proc = subprocess.Popen(
+            [
+                binary,
+                f"--config.file={work / 'prometheus.yml'}",
+                f"--storage.tsdb.path={work / 'data'}",
+                f"--web.listen-address=127.0.0.1:{port}",
+                "--log.level=warn",
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=stderr,
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_samples(url, proc, log)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        server.shutdown()
+        server.server_close()
+
+
+def wait_for_samples(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
+    """Until every series is older than the 4 s window: 11 samples in 6 s (at most 30 s)."""
+    query = "min(count_over_time(vllm:prompt_tokens_total[6s]))"
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"prometheus exited: {log.read_text()}"
+        try:
+            data = httpx.get(f"{url}/api/v1/query", params={"query": query}).json()
+            result = data["data"]["result"]
+            if result and float(result[0]["value"][1]) >= 11:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.5)
+    raise AssertionError(f"prometheus had too few samples after 30 s: {log.read_text()}")
+
+
+def stack_dir(tmp_path: Path, url: str) -> Path:
+    """stacks/ with a `live` stack: staging's models, a prometheus source at the test server."""
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.staging.yaml").read_text())
+    fleet = doc["config"]["coral:fleet"]
+    fleet["demand_source"] = {
+        "kind": "prometheus",
+        "prometheus": {
+            "url": url,
+            "window": "4s",
+            "headroom": 1.5,
+            "model_floors": {
+                "gpt-oss-20b": {"tokens_per_s": {"prefill": 700, "decode": 7}},
+                "qwen3-32b": {"tokens_per_s": {"prefill": 0, "decode": 400}},
+            },
+        },
+    }
+    stacks = tmp_path / "stacks"
+    stacks.mkdir()
+    (stacks / "Pulumi.live.yaml").write_text(yaml.safe_dump(doc))
+    return stacks
+
+
+def test_rates_headroom_floors_and_fallbacks_from_a_real_prometheus(prometheus, tmp_path):
+    stacks = stack_dir(tmp_path, prometheus)
+    report = demand_report(load_stack(stacks, "live"), "live", stacks)
+    by_model = {m.model: m for m in report.models}
+    qwen = by_model["qwen3-32b"].demand.tokens_per_s
+    assert qwen is not None
+    # Prompts counted off prefill nodes only, output off decode nodes only: 300 and 120 tok/s.
+    assert qwen.prefill == pytest.approx(300 * 1.5, rel=TOLERANCE)
+    assert qwen.decode == 400  # 120 x 1.5 = 180 is below the floor of 400
+    assert by_model["qwen3-32b"].origin == "prometheus+floor"
+    assert "vllm:prompt_tokens_total" in by_model["qwen3-32b"].detail
+    # No samples for gpt-oss-20b and no config demand: its floor, with a warning naming it.
+    oss = by_model["gpt-oss-20b"]
+    assert oss.origin == "floor" and oss.demand.tokens_per_s is not None
+    assert (oss.demand.tokens_per_s.prefill, oss.demand.tokens_per_s.decode) == (700, 7)
+    assert any("gpt-oss-20b" in w for w in report.warnings)
+    # Served but not in the stack: reported, not planned.
+    assert report.unknown_models == ["llama3-8b"]
+    assert any("llama3-8b" in w for w in report.warnings)
+
+
+def test_refresh_writes_the_demand_file_that_show_then_reads(prometheus, tmp_path, monkeypatch):
+    stacks = stack_dir(tmp_path, prometheus)
+    monkeypatch.chdir(tmp_path)
+    runner = CliRunner()
+    r = runner.invoke(app, ["demand", "refresh", "--stack", "live", "--write"])
+    assert r.exit_code == 0, r.output
+    text = (stacks / "demand" / "live.yaml").read_text()
+    assert text.startswith("# Demand for stack live, written by `coral demand refresh` at ")
+    assert "# Query: sum by (model_name) (rate(vllm:prompt_tokens_total" in text
+    doc = load_demand_file(stacks / "demand" / "live.yaml")
+    assert isinstance(doc, DemandFile) and doc.retrieved_utc is not None
+    assert prometheus in doc.source and set(doc.demand) == {"gpt-oss-20b", "qwen3-32b"}
+    # Prometheus gone: `show` falls back to the file only when the stack says so.
+    dead = f"http://127.0.0.1:{free_port()}"
+    r = runner.invoke(app, ["demand", "show", "--stack", "live", "--prometheus", dead])
+    assert r.exit_code == 1
+    assert f"cannot reach Prometheus at {dead}/api/v1/query" in " ".join(r.output.split())
