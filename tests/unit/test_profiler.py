@@ -4,13 +4,17 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from typer.testing import CliRunner
 
 from coral_iac.cli import app
+from profiler import suite
 from profiler.cards import tiny_card
 from profiler.device import gpu_id_for
 from profiler.measure import MeasureSpec, measure, run_grid
@@ -171,3 +175,26 @@ def test_vllm_per_layer_time_is_the_difference_over_layers():
         per_layer_ms(10.0, 9.0, 2, 6)
     with pytest.raises(InputError, match="1 <= L1 < L2"):
         per_layer_ms(10.0, 22.0, 6, 2)
+
+
+def test_suite_smoke_writes_every_phase_and_a_summary(tmp_path, one_thread, capsys):
+    assert suite.main(["--smoke", "--out", str(tmp_path), "--model", "gpt-oss-20b"]) == 0
+    tables = load_measured_dir(tmp_path)
+    assert {key[2] for key in tables.tables} == {"decode", "prefill"}
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert [r["status"] for r in summary["runs"]] == ["ok", "ok"] and summary["smoke"]
+    assert "[2/2] gpt-oss-20b prefill: ok" in capsys.readouterr().out
+
+
+def test_suite_past_its_deadline_skips_and_fails(tmp_path):
+    assert suite.main(["--smoke", "--out", str(tmp_path), "--deadline-s", "0"]) == 1
+    runs = json.loads((tmp_path / "summary.json").read_text())["runs"]
+    assert len(runs) == 16 and {r["status"] for r in runs} == {"skipped"}
+
+
+def test_profile_gpu_script_passes_shellcheck():
+    shellcheck = shutil.which("shellcheck")
+    assert shellcheck, "scripts/test installs shellcheck (scripts/debian_tools)"
+    script = Path(__file__).parents[2] / "scripts" / "profile_gpu"
+    r = subprocess.run([shellcheck, str(script)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
