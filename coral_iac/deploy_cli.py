@@ -42,7 +42,7 @@ def preview(
     from coral_iac.program import cost_diff_table
 
     result, running = _run(stack, previous)
-    nodes = [r for r in result.resources if r.type in NODE_TYPES]
+    nodes = [r for r in result.resources if r.type in NODE_TYPES and not _is_gateway(r)]
     if as_json:
         print_json(
             {
@@ -80,6 +80,15 @@ def preview(
     out.print(cost_diff_table(running, result.plan))
     for model, urls in sorted((result.outputs.get("endpoints") or {}).items()):
         out.print(f"{model}: {', '.join(urls)}  (mock addresses)")
+    if "gateway" in result.outputs:
+        (vm,) = [r for r in result.resources if r.type in NODE_TYPES and _is_gateway(r)]
+        out.print(f"Gateway ({vm.inputs.get('instanceType')}): {result.outputs['gateway']}")
+        for model, url in sorted(result.outputs["gateway_endpoints"].items()):
+            out.print(f"  {model}: {url}  (one address per model; mock address)")
+
+
+def _is_gateway(resource: Any) -> bool:
+    return (resource.inputs.get("tags") or {}).get("coral:role") == "gateway"
 
 
 def render(

@@ -10,6 +10,8 @@
   reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
   instance must reach its decode router. The API port is open only to `deploy.api_cidrs`, and
   only where an endpoint runs. Nothing else is open: no SSH.
+- Where an endpoint runs, the stack's gateway (`coral_iac/gateway.py`) reaches the API port: by
+  its security group in its own region (private addresses), by its Elastic IP elsewhere.
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ class Region:
     groups: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # model -> SG id / tag
 
 
+@dataclass(frozen=True)
+class GatewayPeer:
+    """Where the gateway connects from, so endpoint groups can admit it on the API port."""
+
+    cloud: str
+    region: str
+    group_id: pulumi.Output[str]  # its security group (same region: private addresses)
+    public_ip: pulumi.Output[str]  # its Elastic IP (other regions and clouds)
+
+
 @dataclass
 class Identity:
     """How nodes authenticate to the secret manager (no token in user-data)."""
@@ -60,6 +72,7 @@ class Infra:
         self.stack, self.deploy = stack, deploy
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
+        self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
         self._gcp_network: gcp.compute.Network | None = None
 
     def region(self, cloud: str, region: str) -> Region:
@@ -172,6 +185,8 @@ class Infra:
                         "description": "OpenAI-compatible API",
                     }
                 )
+            if public and self.gateway is not None:
+                ingress.append(self._gateway_rule(r))
             group = aws.ec2.SecurityGroup(
                 f"sg-{model}-{r.region}",
                 description=f"Coral {self.stack}: {model} nodes in {r.region}",
@@ -191,6 +206,19 @@ class Infra:
             )
             r.groups[model] = group.id
         return r.groups[model]
+
+    def _gateway_rule(self, r: Region) -> dict[str, Any]:
+        assert self.gateway is not None
+        port, gw = self.deploy.api_port, self.gateway
+        rule: dict[str, Any] = {
+            "protocol": "tcp",
+            "from_port": port,
+            "to_port": port,
+            "description": "Coral gateway",
+        }
+        if (gw.cloud, gw.region) == ("aws", r.region):
+            return rule | {"security_groups": [gw.group_id]}
+        return rule | {"cidr_blocks": [gw.public_ip.apply(lambda ip: f"{ip}/32")]}
 
     # ---------------------------------------------------------------- GCP
 
@@ -255,6 +283,17 @@ class Infra:
                     source_ranges=list(self.deploy.api_cidrs),
                     target_tags=[tag],
                     description="OpenAI-compatible API",
+                    opts=opts,
+                )
+            if public and self.gateway is not None:
+                gcp.compute.Firewall(
+                    f"fw-{model}-{r.region}-gateway",
+                    network=r.network,
+                    direction="INGRESS",
+                    allows=[{"protocol": "tcp", "ports": [str(self.deploy.api_port)]}],
+                    source_ranges=[self.gateway.public_ip.apply(lambda ip: f"{ip}/32")],
+                    target_tags=[tag],
+                    description="Coral gateway",
                     opts=opts,
                 )
             r.groups[model] = pulumi.Output.from_input(tag)

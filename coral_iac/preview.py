@@ -48,6 +48,8 @@ class CoralMocks(pulumi.runtime.Mocks):
         elif args.typ == "aws:ec2/instance:Instance":
             state["privateIp"] = _ip("10.0", args.name)
             state["publicIp"] = _ip("198.51", args.name)  # TEST-NET-2: never a real host
+        elif args.typ == "aws:ec2/eip:Eip":
+            state["publicIp"] = _ip("198.51", args.name)
         elif args.typ == "gcp:compute/instance:Instance":
             nics = [dict(n) for n in state.get("networkInterfaces", [])] or [{}]
             nics[0]["networkIp"] = _ip("10.100", args.name)
@@ -109,6 +111,8 @@ def preview_stack(stack: str, stacks_dir: Path, previous: Plan | None = None) ->
     )
     previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
     mocks = CoralMocks(previous_outputs)
+    # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
+    pulumi.runtime.settings.ROOT.set(None)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
     exported: dict[str, Any] = {}
 

@@ -11,7 +11,8 @@
    one is an error unless `deploy.rebuild_library` is set.
 4. Solve the allocation with nu0 = the previous plan, and validate the plan.
 5. Check the plan is deployable (vllm mode, budget, prefill/decode pairs per region).
-6. Declare each serving instance and export costs, the plan and the endpoints.
+6. Declare the gateway (`coral_iac/gateway.py`), each serving instance, and the gateway's
+   HAProxy configuration; export costs, the plan, the endpoints and the gateway's URLs.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from rich.table import Table
 
 from coral_iac.bootstrap import node_boots
 from coral_iac.components import ServingInstance, ServingInstanceArgs
+from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
 from coral_iac.infra import Infra, slug
 from solver import planner
 from solver.defaults import load_perf_model
@@ -96,10 +98,15 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
         raise pulumi.RunError("Coral cannot deploy this plan:\n  " + "\n  ".join(problems))
 
 
-def declare(plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str) -> dict[str, Any]:
-    """Every serving instance of the plan; returns the endpoints per model."""
+def declare(
+    plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Every serving instance of the plan and the gateway; returns the endpoints per model and
+    the gateway's outputs (none when `deploy.gateway.enabled` is false)."""
     infra = Infra(stack, fleet.deploy)
     deploy = fleet.deploy
+    gateway = _gateway(fleet, stack, infra)  # first: endpoint groups admit it
+    upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[tuple[str, str], list[pulumi.Output[str]]] = {}
     batch_caps: dict[str, InstanceModel] = {}
@@ -174,7 +181,36 @@ def declare(plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str) -> dict
             endpoints.setdefault(inst.model, []).append(
                 component.head_public_ip.apply(lambda ip: f"http://{ip}:{deploy.api_port}/v1")
             )
-    return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}
+        if public and gateway is not None:
+            local = gateway.same_network(inst.cloud, inst.region)
+            ip = component.head_private_ip if local else component.head_public_ip
+            upstreams[inst.key] = ip.apply(lambda a: f"{a}:{deploy.api_port}")
+    outputs: dict[str, Any] = {}
+    if gateway is not None:
+        try:
+            by_model = gateway.publish(plan, upstreams)
+        except CoralError as e:
+            raise pulumi.RunError(str(e)) from None
+        outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
+    return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
+
+
+def _gateway(fleet: FleetConfig, stack: str, infra: Infra) -> Gateway | None:
+    settings, deploy = fleet.deploy.gateway, fleet.deploy
+    if not settings.enabled:
+        return None
+    region = gateway_region(fleet)
+    if region is None:
+        pulumi.log.warn(
+            "no gateway: it runs on aws and the fleet has no aws region. Set coral:fleet.deploy."
+            "gateway.region to an aws region, or deploy.gateway.enabled: false to silence this"
+        )
+        return None
+    return Gateway(
+        "gateway",
+        GatewayArgs(stack, settings, region, deploy.api_port, list(deploy.api_cidrs)),
+        infra,
+    )
 
 
 def _has_endpoint(plan: Plan, inst: Instance) -> bool:
@@ -234,7 +270,7 @@ def run() -> None:
             f"scarce: the plan serves {plan.served_fraction:.1%} of every model's demand. "
             + " ".join(f"Limited by: {line}." for line in plan.binding)
         )
-    endpoints = declare(plan, fleet, perf, stack)
+    endpoints, gateway = declare(plan, fleet, perf, stack)
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:
         where = by_region.setdefault(f"{i.cloud}:{i.region}", {})
@@ -246,4 +282,6 @@ def run() -> None:
     pulumi.export("served_fraction", plan.served_fraction)
     pulumi.export("instances_by_region", by_region)
     pulumi.export("endpoints", endpoints)
+    for name, value in gateway.items():  # gateway, gateway_endpoints
+        pulumi.export(name, value)
     pulumi.export("plan", json.dumps(plan.model_dump(mode="json"), sort_keys=True))

@@ -172,6 +172,36 @@ class AllocationSettings(BaseModel):
     threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
 
 
+class GatewaySettings(BaseModel):
+    """The stack's gateway: one HAProxy VM giving each model one address (docs/gateway.md)."""
+
+    model_config = FROZEN
+    enabled: bool = Field(
+        default=True, description="Declare the gateway (false: clients use replica endpoints)."
+    )
+    cloud: Literal["aws"] = Field(
+        default="aws",
+        description="Only aws: the gateway polls its HAProxy configuration from SSM Parameter "
+        "Store, so a plan change updates it in place.",
+    )
+    region: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Region of the gateway VM (default: the first aws region in `regions`).",
+    )
+    instance_type: str = Field(
+        default="c7i.large", min_length=1, description="EC2 instance type of the gateway VM."
+    )
+    ami_parameter: str = Field(
+        default="/aws/service/debian/release/12/latest/amd64",
+        description="Public SSM parameter holding the Debian 12 AMI id (HAProxy 2.6 from Debian).",
+    )
+    disk_gb: int = Field(default=20, ge=8, le=1000, description="Encrypted root disk.")
+    health_check_interval_ms: int = Field(
+        default=2000, ge=100, le=60000, description="HAProxy's GET /health interval per replica."
+    )
+
+
 class DeploySettings(BaseModel):
     """How the Pulumi program deploys a plan (ignored by the solver)."""
 
@@ -204,6 +234,9 @@ class DeploySettings(BaseModel):
     )
     rebuild_library: bool = Field(
         default=False, description="Rebuild a stale template library instead of failing."
+    )
+    gateway: GatewaySettings = Field(
+        default_factory=GatewaySettings, description="One address per model (docs/gateway.md)."
     )
 
     @model_validator(mode="after")
@@ -300,7 +333,6 @@ class FleetConfig(BaseModel):
     demand_source: DemandSource = Field(
         default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
     )
-
 
     def with_mode(self, mode: str) -> FleetConfig:
         """This fleet with another runtime mode (e.g. from a `--mode` option).

@@ -1,0 +1,394 @@
+"""The gateway: one HAProxy VM that gives every model one stable address (docs/gateway.md).
+
+Pure part, no cloud calls:
+
+- `gateway_upstreams(plan, addresses, states)`: one upstream per serving instance with an API
+  (an aggregated head's vLLM server, a decode head's vllm-router), weighted by its serving
+  template's throughput, with its state (ready, starting or draining);
+- `render_haproxy_config` renders `templates/gateway/haproxy.cfg.j2`, and `parameter_value`
+  packs it for SSM Parameter Store;
+- `render_gateway_user_data` renders the VM's cloud-init, which holds no plan, so a plan change
+  never replaces the VM.
+
+Pulumi part: `Gateway`, the VM with its security group, IAM role, Elastic IP and the SSM
+parameter it polls (`publish`). HAProxy 2.6 is Debian 12's package, the one the tests run.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal, cast
+
+import pulumi
+import pulumi_aws as aws
+from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from pydantic import BaseModel, ConfigDict, Field
+
+from coral_iac.bootstrap import TEMPLATES
+from coral_iac.infra import GatewayPeer, Infra, slug
+from solver.errors import InputError
+from solver.plan import Instance, Plan, template_ref
+from solver.stack import FleetConfig, GatewaySettings
+
+UpstreamState = Literal["ready", "starting", "draining"]
+STATES: tuple[str, ...] = ("ready", "starting", "draining")
+# HAProxy's largest server weight (configuration.txt of HAProxy 2.6, "weight <weight>").
+WEIGHT_MAX = 256
+# SSM Parameter Store: 4 KB per standard value, 8 KB per advanced one (AWS Systems Manager User
+# Guide, "Managing parameter tiers", read 2026-12). Intelligent-Tiering picks advanced when needed.
+PARAMETER_LIMIT_CHARS = 8192
+POLL_SECONDS = 30
+MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # safe in a path, an ACL, a backend
+FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Upstream(BaseModel):
+    """One serving instance behind the gateway: an HAProxy server of its model's backend."""
+
+    model_config = FROZEN
+    key: str = Field(description="The plan instance's stable replica key.")
+    model: str
+    server: str = Field(description="HAProxy server name (the key made name-safe).")
+    address: str = Field(description="host:port of the head's API (vLLM or vllm-router).")
+    throughput: float = Field(gt=0, description="The serving template's throughput.")
+    unit: str = Field(description="tokens/s (decode) or requests/s (aggregated).")
+    weight: int = Field(ge=0, le=WEIGHT_MAX, description="0 unless ready.")
+    state: UpstreamState
+
+
+class Route(BaseModel):
+    """One model: its path prefix, its backend and its upstreams."""
+
+    model_config = FROZEN
+    model: str
+    backend: str
+    upstreams: list[Upstream] = Field(min_length=1)
+
+
+def gateway_upstreams(
+    plan: Plan, addresses: Mapping[str, str], states: Mapping[str, str] | None = None
+) -> list[Upstream]:
+    """One upstream per aggregated or decode instance of `plan`, sorted by key.
+
+    Weight = WEIGHT_MAX x throughput / the largest throughput among the model's ready
+    upstreams, rounded, at least 1; 0 for starting and draining upstreams.
+
+    Args:
+        plan: every instance the gateway should know, draining ones included.
+        addresses: replica key -> "host:port" of its head's API.
+        states: replica key -> ready, starting or draining (default ready).
+
+    Raises:
+        InputError: an unknown state, a state or missing address for a key, or a model name
+            unsafe in a path.
+    """
+    states = dict(states or {})
+    serving = sorted(
+        (i for i in plan.instances if i.phase in ("aggregated", "decode")), key=lambda i: i.key
+    )
+    unknown = sorted(set(states) - {i.key for i in serving})
+    if unknown:
+        raise InputError(
+            "gateway states",
+            f"{', '.join(unknown)} are not aggregated or decode instances of the plan",
+            "pass a plan that still holds every replica the gateway routes to (draining ones too)",
+        )
+    for key, given in sorted(states.items()):
+        if given not in STATES:
+            raise InputError(
+                f"gateway states[{key}]", f"unknown state '{given}'", "use " + ", ".join(STATES)
+            )
+    peak: dict[str, float] = {}
+    rows: list[tuple[Instance, float, str, UpstreamState]] = []
+    for inst in serving:
+        if not MODEL_NAME.match(inst.model):
+            raise InputError(
+                f"coral:fleet.models.{inst.model}",
+                "the model name is unsafe in a URL path",
+                "name models with letters, digits, '.', '_' and '-' only",
+            )
+        if inst.key not in addresses:
+            raise InputError(
+                "gateway addresses",
+                f"no address for {inst.key}",
+                "pass the head address of every aggregated and decode instance",
+            )
+        template = plan.templates[template_ref(inst.model, inst.phase, inst.template)]
+        state = cast(UpstreamState, states.get(inst.key, "ready"))  # checked above
+        rows.append((inst, template.throughput, template.unit, state))
+        if state == "ready":
+            peak[inst.model] = max(peak.get(inst.model, 0.0), template.throughput)
+    return [
+        Upstream(
+            key=inst.key,
+            model=inst.model,
+            server=slug(inst.key),
+            address=addresses[inst.key],
+            throughput=throughput,
+            unit=unit,
+            weight=_weight(throughput, peak[inst.model]) if state == "ready" else 0,
+            state=state,
+        )
+        for inst, throughput, unit, state in rows
+    ]
+
+
+def _weight(throughput: float, peak: float) -> int:
+    """HAProxy's integer weight: proportional to throughput, the peak at WEIGHT_MAX, at least 1."""
+    return max(1, round(WEIGHT_MAX * throughput / peak))
+
+
+def _environment() -> Environment:
+    env = Environment(
+        loader=FileSystemLoader(TEMPLATES / "gateway"),
+        undefined=StrictUndefined,
+        keep_trailing_newline=True,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        autoescape=False,  # noqa: S701 - renders HAProxy, YAML and shell, not HTML
+    )
+    env.filters["regex_escape"] = lambda name: name.replace(".", "\\.")  # MODEL_NAME-safe
+    return env
+
+
+def render_haproxy_config(
+    upstreams: list[Upstream], stack: str, port: int, health_check_interval_ms: int
+) -> str:
+    """HAProxy's configuration: one route and backend per model, one server per upstream.
+
+    Raises:
+        InputError: no upstream at all (nothing to route to).
+    """
+    if not upstreams:
+        raise InputError(
+            "gateway", "the plan has no aggregated or decode instance", "plan some demand"
+        )
+    models = sorted({u.model for u in upstreams})
+    routes = [
+        Route(model=m, backend=f"model_{m}", upstreams=[u for u in upstreams if u.model == m])
+        for m in models
+    ]
+    return (
+        _environment()
+        .get_template("haproxy.cfg.j2")
+        .render(
+            stack=stack,
+            port=port,
+            health_check_interval_ms=health_check_interval_ms,
+            routes=routes,
+        )
+    )
+
+
+def parameter_value(config: str) -> str:
+    """The configuration as the SSM parameter holds it: gzip (deterministic), then base64.
+
+    Raises:
+        InputError: larger than an SSM parameter can hold.
+    """
+    packed = base64.b64encode(gzip.compress(config.encode(), compresslevel=9, mtime=0)).decode()
+    if len(packed) > PARAMETER_LIMIT_CHARS:
+        raise InputError(
+            "gateway",
+            f"the HAProxy configuration packs to {len(packed)} characters, over SSM's "
+            f"{PARAMETER_LIMIT_CHARS}",
+            "serve fewer replicas per stack, or split the fleet into stacks",
+        )
+    return packed
+
+
+def parameter_name(stack: str) -> str:
+    return f"/coral/{stack}/gateway/haproxy.cfg"
+
+
+def render_gateway_user_data(stack: str, region: str) -> str:
+    """The gateway VM's `#cloud-config`: HAProxy, and a timer that loads its configuration."""
+    env = _environment()
+    values = {
+        "stack": stack,
+        "region": region,
+        "parameter": parameter_name(stack),
+        "poll_seconds": POLL_SECONDS,
+    }
+    sync = env.get_template("gateway-sync.sh.j2").render(**values)
+    return env.get_template("cloud-config.yaml.j2").render(sync_script=sync, **values)
+
+
+def gateway_region(fleet: FleetConfig) -> str | None:
+    """Where the gateway runs: `deploy.gateway.region`, else the fleet's first aws region, else
+    None (a GCP-only fleet without a gateway region: the program warns and declares none)."""
+    settings = fleet.deploy.gateway
+    if settings.region is not None:
+        return settings.region
+    return next((r.region for r in fleet.regions if r.cloud == settings.cloud), None)
+
+
+@dataclass(frozen=True)
+class GatewayArgs:
+    """Typed inputs of the gateway."""
+
+    stack: str
+    settings: GatewaySettings
+    region: str
+    api_port: int
+    api_cidrs: list[str]
+
+
+class Gateway(pulumi.ComponentResource):
+    """The HAProxy VM; `public_ip` is its Elastic IP, `publish` declares its configuration."""
+
+    public_ip: pulumi.Output[str]
+    url: pulumi.Output[str]
+
+    def __init__(
+        self,
+        name: str,
+        args: GatewayArgs,
+        infra: Infra,
+        opts: pulumi.ResourceOptions | None = None,
+    ) -> None:
+        super().__init__("coral:fleet:Gateway", name, None, opts)
+        self.name, self.args = name, args
+        region = infra.region(args.settings.cloud, args.region)
+        self._child = pulumi.ResourceOptions(parent=self, provider=region.provider)
+        tags = {"coral:stack": args.stack, "coral:role": "gateway"}
+        ingress: list[Any] = [
+            {
+                "protocol": "tcp",
+                "from_port": args.api_port,
+                "to_port": args.api_port,
+                "cidr_blocks": list(args.api_cidrs),
+                "description": "OpenAI-compatible API, one path per model",
+            }
+        ]
+        group = aws.ec2.SecurityGroup(
+            f"{name}-sg",
+            description=f"Coral {args.stack}: gateway",
+            vpc_id=region.network,
+            ingress=ingress if args.api_cidrs else [],
+            egress=[
+                {
+                    "protocol": "-1",
+                    "from_port": 0,
+                    "to_port": 0,
+                    "cidr_blocks": ["0.0.0.0/0"],
+                    "description": "replicas, SSM, packages",
+                }
+            ],
+            tags=tags,
+            opts=self._child,
+        )
+        image = aws.ssm.get_parameter_output(
+            name=args.settings.ami_parameter,
+            opts=pulumi.InvokeOutputOptions(provider=region.provider, parent=self),
+        ).value
+        vm = aws.ec2.Instance(
+            name,
+            ami=image,
+            instance_type=args.settings.instance_type,
+            subnet_id=region.subnet_id,
+            vpc_security_group_ids=[group.id],
+            iam_instance_profile=self._identity(name, args),
+            # The user-data holds no plan (module doc): only a settings change replaces it.
+            user_data=render_gateway_user_data(args.stack, args.region),
+            user_data_replace_on_change=True,
+            metadata_options={
+                "http_tokens": "required",
+                "http_endpoint": "enabled",
+                "http_put_response_hop_limit": 1,
+            },
+            root_block_device={
+                "volume_size": args.settings.disk_gb,
+                "volume_type": "gp3",
+                "encrypted": True,
+            },
+            tags=tags | {"Name": f"coral-{args.stack}-gateway"},
+            opts=self._child,
+        )
+        # A fixed address: the per-model URLs and remote replicas' firewalls outlive the VM.
+        eip = aws.ec2.Eip(f"{name}-ip", domain="vpc", instance=vm.id, tags=tags, opts=self._child)
+        self.public_ip = eip.public_ip
+        self.url = eip.public_ip.apply(lambda ip: f"http://{ip}:{args.api_port}")
+        infra.gateway = GatewayPeer(args.settings.cloud, args.region, group.id, eip.public_ip)
+
+    def _identity(self, name: str, args: GatewayArgs) -> pulumi.Output[str]:
+        """A role that may read this stack's gateway parameter and nothing else."""
+        role = aws.iam.Role(
+            f"{name}-role",
+            assume_role_policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {
+                            "Effect": "Allow",
+                            "Action": "sts:AssumeRole",
+                            "Principal": {"Service": "ec2.amazonaws.com"},
+                        }
+                    ],
+                }
+            ),
+            tags={"coral:stack": args.stack},
+            opts=self._child,
+        )
+        arn = f"arn:aws:ssm:{args.region}:*:parameter{parameter_name(args.stack)}"
+        aws.iam.RolePolicy(
+            f"{name}-read-config",
+            role=role.id,
+            policy=json.dumps(
+                {
+                    "Version": "2012-10-17",
+                    "Statement": [
+                        {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn}
+                    ],
+                }
+            ),
+            opts=self._child,
+        )
+        return aws.iam.InstanceProfile(f"{name}-profile", role=role.name, opts=self._child).name
+
+    def same_network(self, cloud: str, region: str) -> bool:
+        """Replicas in the gateway's own VPC are reached on private addresses."""
+        return (cloud, region) == (self.args.settings.cloud, self.args.region)
+
+    def publish(
+        self,
+        plan: Plan,
+        addresses: Mapping[str, pulumi.Output[str]],
+        states: Mapping[str, str] | None = None,
+    ) -> dict[str, pulumi.Output[str]]:
+        """Declare the configuration parameter (updated in place); returns the URL per model."""
+        settings, port = self.args.settings, self.args.api_port
+
+        def pack(resolved: Mapping[str, str]) -> str:
+            upstreams = gateway_upstreams(plan, resolved, states)
+            config = render_haproxy_config(
+                upstreams, self.args.stack, port, settings.health_check_interval_ms
+            )
+            return parameter_value(config)
+
+        # Fail the preview, not the update, on a plan too large for one parameter.
+        pack({k: f"255.255.255.255:{port}" for k in addresses})
+        keys = sorted(addresses)
+
+        def pack_resolved(resolved: list[str]) -> str:
+            return pack(dict(zip(keys, resolved, strict=True)))
+
+        value = pulumi.Output.all(*(addresses[k] for k in keys)).apply(pack_resolved)
+        aws.ssm.Parameter(
+            f"{self.name}-config",
+            name=parameter_name(self.args.stack),
+            type="String",
+            tier="Intelligent-Tiering",
+            description="Coral gateway HAProxy configuration (gzip + base64); no secret",
+            insecure_value=value,
+            tags={"coral:stack": self.args.stack, "coral:role": "gateway"},
+            opts=self._child,
+        )
+        models = sorted({i.model for i in plan.instances if i.phase in ("aggregated", "decode")})
+        self.register_outputs({"public_ip": self.public_ip, "url": self.url})
+        return {m: pulumi.Output.concat(self.url, f"/{m}/v1") for m in models}

@@ -1,0 +1,398 @@
+"""The gateway: upstreams and weights from the plan, rendered HAProxy configuration and cloud-init
+(golden files, `haproxy -c`, `cloud-init schema`, shellcheck), and the Pulumi program's gateway
+under mocks. Golden files live in tests/golden/gateway/; `CORAL_ACCEPT=1` rewrites them.
+The real-proxy loopback test is tests/unit/test_gateway_live.py.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from coral_iac import program
+from coral_iac.cli import app
+from coral_iac.gateway import (
+    WEIGHT_MAX,
+    gateway_upstreams,
+    parameter_name,
+    parameter_value,
+    render_gateway_user_data,
+    render_haproxy_config,
+)
+from coral_iac.preview import _ip, preview_stack
+from solver.errors import InputError
+from solver.plan import Instance, Plan, instance_key, template_ref
+from solver.template import ServingTemplate, Stage, StageMember
+from tests.conftest import REPO
+from tests.unit.test_program import stacks_with
+
+GOLDEN = REPO / "tests" / "golden" / "gateway"
+
+# (model, phase, serving template key, node, throughput, replicas)
+AGGREGATED = [
+    ("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 2),
+    ("phi-4", "aggregated", "l4x1*2", "l4x1", 1.0, 1),
+    ("qwen3-32b", "aggregated", "l40sx4", "l40sx4", 1.5, 2),
+]
+DISAGGREGATED = [
+    ("llama3.1-70b", "prefill", "h100x8", "h100x8", 40000.0, 2),
+    ("llama3.1-70b", "decode", "h100x8", "h100x8", 3000.0, 2),
+    ("llama3.1-70b", "decode", "a100-80gbx8", "a100-80gbx8", 1900.0, 1),
+]
+def _template(model: str, phase: str, key: str, node: str, throughput: float) -> ServingTemplate:
+    gpus = int(node.rsplit("x", 1)[1])
+    return ServingTemplate(
+        key=key,
+        model=model,
+        phase=phase,
+        mode="vllm",
+        nodes=[node],
+        stages=[Stage(layers=40, members=[StageMember(node=0, gpus=list(range(gpus)), tp=gpus)])],
+        throughput=throughput,
+        unit="requests/s" if phase == "aggregated" else "tokens/s",
+        stage_budget_ms=[100.0],
+    )
+
+
+def make_plan(rows: list[tuple[str, str, str, str, float, int]], region: str = "us-east-2") -> Plan:
+    """A plan holding `replicas` instances of each row's template, in one aws region."""
+    templates, instances = {}, []
+    for model, phase, key, node, throughput, replicas in rows:
+        templates[template_ref(model, phase, key)] = _template(model, phase, key, node, throughput)
+        for i in range(replicas):
+            instances.append(
+                Instance(
+                    key=instance_key(model, phase, "aws", region, key, i),
+                    model=model,
+                    phase=phase,
+                    cloud="aws",
+                    region=region,
+                    template=key,
+                    index=i,
+                    nodes=[node],
+                    usd_per_hour=1.0,
+                    throughput=throughput,
+                )
+            )
+    return Plan(
+        stack="golden",
+        method="coral",
+        mode="vllm",
+        served_fraction=1.0,
+        hourly_cost_usd=float(len(instances)),
+        startup_penalty_usd_per_hour=0.0,
+        cost_by_model={},
+        jobs=[],
+        instances=instances,
+        templates=templates,
+        binding=[],
+        solver=None,
+        input_hashes={},
+    )
+
+
+def serving_keys(plan: Plan) -> list[str]:
+    """Keys of the instances the gateway routes to (aggregated heads, decode routers)."""
+    return sorted(i.key for i in plan.instances if i.phase in ("aggregated", "decode"))
+
+
+def addresses(plan: Plan, port: int = 8000) -> dict[str, str]:
+    """Deterministic private addresses, one per serving instance."""
+    return {k: f"10.0.{n}.{10 + n}:{port}" for n, k in enumerate(serving_keys(plan))}
+
+
+def golden_cases() -> dict[str, str]:
+    agg = make_plan(AGGREGATED)
+    dis = make_plan(DISAGGREGATED)
+    dis_keys = serving_keys(dis)
+    # A transition: one decode replica leaving the plan, one new and still loading.
+    states = {dis_keys[0]: "draining", dis_keys[-1]: "starting"}
+    return {
+        "aggregated/haproxy.cfg": render_haproxy_config(
+            gateway_upstreams(agg, addresses(agg)), "golden", 8000, 2000
+        ),
+        "disaggregated/haproxy.cfg": render_haproxy_config(
+            gateway_upstreams(dis, addresses(dis), states), "golden", 8000, 2000
+        ),
+        "cloud-config.yaml": render_gateway_user_data("golden", "us-east-2"),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(golden_cases()))
+def test_rendering_matches_golden(case):
+    path = GOLDEN / case
+    text = golden_cases()[case]
+    if os.environ.get("CORAL_ACCEPT") == "1":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text, encoding="utf-8")
+    assert path.exists(), f"no golden file {path}; run with CORAL_ACCEPT=1 to create it"
+    assert text == path.read_text(encoding="utf-8"), f"{path} differs (CORAL_ACCEPT=1 to accept)"
+
+
+def _tool(name: str) -> str:
+    path = shutil.which(name)
+    assert path, f"{name} is not installed: scripts/test installs it (scripts/debian_tools {name})"
+    return path
+
+
+@pytest.mark.parametrize("case", ["aggregated/haproxy.cfg", "disaggregated/haproxy.cfg"])
+def test_haproxy_accepts_the_rendered_configuration(case, tmp_path):
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(golden_cases()[case], encoding="utf-8")
+    r = subprocess.run([_tool("haproxy"), "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "[WARNING]" not in r.stderr + r.stdout, r.stderr  # no setting HAProxy ignores
+
+
+def test_haproxy_refuses_a_broken_configuration(tmp_path):
+    """The check above can fail: a config HAProxy cannot parse exits non-zero."""
+    cfg = tmp_path / "haproxy.cfg"
+    text = golden_cases()["aggregated/haproxy.cfg"].replace("balance roundrobin", "balance nope")
+    cfg.write_text(text, encoding="utf-8")
+    r = subprocess.run([_tool("haproxy"), "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert r.returncode != 0
+
+
+def test_gateway_user_data_passes_cloud_init_schema_and_shellcheck(tmp_path):
+    text = golden_cases()["cloud-config.yaml"]
+    f = tmp_path / "gateway.yaml"
+    f.write_text(text, encoding="utf-8")
+    r = subprocess.run(
+        [_tool("cloud-init"), "schema", "--config-file", str(f)], capture_output=True, text=True
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    doc = yaml.safe_load(text)
+    (script,) = [w for w in doc["write_files"] if w["path"] == "/usr/local/bin/coral-gateway-sync"]
+    s = tmp_path / "coral-gateway-sync"
+    s.write_text(script["content"], encoding="utf-8")
+    r = subprocess.run([_tool("shellcheck"), str(s)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stdout
+    assert {"haproxy", "awscli"} <= set(doc["packages"])
+    assert parameter_name("golden") in script["content"]
+
+
+def test_weights_follow_template_throughput_and_only_ready_upstreams_get_any():
+    plan = make_plan(AGGREGATED)
+    keys = serving_keys(plan)
+    draining = next(k for k in keys if "/l40sx1/1" in k)
+    ups = {u.key: u for u in gateway_upstreams(plan, addresses(plan), {draining: "draining"})}
+    phi = [u for u in ups.values() if u.model == "phi-4"]
+    by_template = {u.key.split("/")[3]: u.weight for u in phi if u.state == "ready"}
+    assert by_template == {"l40sx1": WEIGHT_MAX, "l4x1*2": WEIGHT_MAX // 2}  # 2.0 vs 1.0
+    assert ups[draining].weight == 0 and ups[draining].state == "draining"
+    qwen = [u for u in ups.values() if u.model == "qwen3-32b"]
+    assert [u.weight for u in qwen] == [WEIGHT_MAX, WEIGHT_MAX]  # peak per model
+    assert len(set(u.server for u in ups.values())) == len(ups)  # unique server names
+
+
+def test_disaggregated_models_route_to_decode_routers_only():
+    plan = make_plan(DISAGGREGATED)
+    ups = gateway_upstreams(plan, addresses(plan))
+    assert {u.key.split("/")[1] for u in ups} == {"decode"}
+    assert sorted(u.weight for u in ups) == [round(WEIGHT_MAX * 1900 / 3000), 256, 256]
+    assert {u.unit for u in ups} == {"tokens/s"}
+
+
+@pytest.mark.parametrize(
+    ("states", "message"),
+    [
+        ({"phi-4/aggregated/aws:us-east-2/l40sx1/9": "draining"}, "not aggregated or decode"),
+        ({"phi-4/aggregated/aws:us-east-2/l40sx1/0": "paused"}, "unknown state 'paused'"),
+    ],
+    ids=["unknown_replica", "unknown_state"],
+)
+def test_bad_states_are_refused_with_the_fix(states, message):
+    plan = make_plan(AGGREGATED)
+    with pytest.raises(InputError, match=message):
+        gateway_upstreams(plan, addresses(plan), states)
+
+
+def test_a_missing_address_is_refused():
+    plan = make_plan(AGGREGATED)
+    partial = dict(list(addresses(plan).items())[1:])
+    with pytest.raises(InputError, match="no address for"):
+        gateway_upstreams(plan, partial)
+
+
+def test_same_inputs_same_bytes_and_the_parameter_round_trips():
+    first, second = golden_cases(), golden_cases()
+    assert first == second
+    config = first["aggregated/haproxy.cfg"]
+    packed = parameter_value(config)
+    assert packed == parameter_value(config)  # gzip without a timestamp
+    assert gzip.decompress(base64.b64decode(packed)).decode() == config
+
+
+def test_a_configuration_too_large_for_ssm_is_refused():
+    rows = [  # 720 upstreams: about twice what one parameter holds
+        (f"m{i}", "aggregated", f"t{j}", "l4x1", 1.0 + j, 1) for i in range(8) for j in range(90)
+    ]
+    plan = make_plan(rows)
+    config = render_haproxy_config(gateway_upstreams(plan, addresses(plan)), "big", 8000, 2000)
+    with pytest.raises(InputError, match="over SSM's 8192"):
+        parameter_value(config)
+
+
+# ------------------------------------------------------------------- the program, under mocks
+
+
+@pytest.fixture(autouse=True)
+def library_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
+
+
+def config_of(result) -> str:
+    (param,) = result.of_type("aws:ssm/parameter:Parameter")
+    return gzip.decompress(base64.b64decode(param.inputs["insecureValue"])).decode()
+
+
+def gateway_vm(result):
+    (vm,) = [
+        r
+        for r in result.of_type("aws:ec2/instance:Instance")
+        if r.inputs["tags"].get("coral:role") == "gateway"
+    ]
+    return vm
+
+
+def test_program_declares_a_locked_down_gateway(tmp_path):
+    stacks = stacks_with(tmp_path, "gw", deploy={"api_cidrs": ["203.0.113.0/24"]})
+    result = preview_stack("gw", stacks)
+    vm = gateway_vm(result)
+    assert vm.inputs["metadataOptions"]["httpTokens"] == "required"
+    assert vm.inputs["rootBlockDevice"]["encrypted"] is True
+    assert vm.inputs["instanceType"] == "c7i.large"
+    assert "hf-token" not in vm.inputs["userData"] and "10.0." not in vm.inputs["userData"]
+    groups = {g.name: g for g in result.of_type("aws:ec2/securityGroup:SecurityGroup")}
+    (api,) = groups["gateway-sg"].inputs["ingress"]
+    assert (api["fromPort"], api["toPort"], api["cidrBlocks"]) == (8000, 8000, ["203.0.113.0/24"])
+    ingress = groups["sg-phi-4-us-east-2"].inputs["ingress"]
+    admitted = [r for r in ingress if r.get("securityGroups")]
+    assert admitted == [
+        {
+            "protocol": "tcp",
+            "fromPort": 8000,
+            "toPort": 8000,
+            "securityGroups": ["gateway-sg-id"],
+            "description": "Coral gateway",
+        }
+    ]
+    (policy,) = [p for p in result.of_type("aws:iam/rolePolicy:RolePolicy") if "gateway" in p.name]
+    (statement,) = json.loads(policy.inputs["policy"])["Statement"]
+    assert statement["Action"] == "ssm:GetParameter"
+    assert statement["Resource"] == "arn:aws:ssm:us-east-2:*:parameter/coral/gw/gateway/haproxy.cfg"
+    # Upstreams: each decode head's router on its private address (same VPC).
+    decode_heads = [
+        n
+        for n in result.of_type("aws:ec2/instance:Instance")
+        if n.inputs["tags"].get("coral:phase") == "decode"
+    ]
+    config = config_of(result)
+    for head in decode_heads:  # the mocks' private address of each head
+        assert f" {_ip('10.0', head.name)}:8000 weight " in config
+    assert config.count("    server ") == len(decode_heads) > 0
+    eip = result.of_type("aws:ec2/eip:Eip")[0]
+    assert eip.inputs["domain"] == "vpc"
+    assert result.outputs["gateway"].startswith("http://198.51.")
+    assert result.outputs["gateway_endpoints"] == {"phi-4": result.outputs["gateway"] + "/phi-4/v1"}
+
+
+def declared(result) -> dict:
+    return {
+        (r.type, r.name): r.inputs
+        for r in result.resources
+        if r.type != "pulumi:pulumi:StackReference"
+    }
+
+
+def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path):
+    first = preview_stack("dev", REPO / "stacks")
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+    models = doc["config"]["coral:fleet"]["models"]
+    models["phi-4"]["demand"] = {"requests_per_s": 2.5}
+    more = preview_stack("dev", stacks_with(tmp_path, "dev", models=models), previous=first.plan)
+    assert len(more.plan.instances) > len(first.plan.instances)
+    before, after = declared(first), declared(more)
+    gateway_keys = [k for k in before if "gateway" in k[1]]
+    assert len(gateway_keys) == 8  # component, group, role, policy, profile, VM, EIP, parameter
+    changed = [k for k in gateway_keys if after[k] != before[k]]
+    assert changed == [("aws:ssm/parameter:Parameter", "gateway-config")]  # updated in place
+    assert after[changed[0]]["name"] == before[changed[0]]["name"]
+    assert config_of(more).count("    server ") > config_of(first).count("    server ")
+    assert more.outputs["gateway"] == first.outputs["gateway"]
+
+
+def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gateway(tmp_path):
+    stacks = stacks_with(
+        tmp_path,
+        "remote",
+        regions=[{"cloud": "gcp", "region": "us-central1"}],
+        node_configs=["l4x1", "l4x4", "a100-80gbx1"],
+        deploy={"gateway": {"region": "us-east-1", "instance_type": "c7i.xlarge"}},
+    )
+    result = preview_stack("remote", stacks)
+    assert gateway_vm(result).inputs["instanceType"] == "c7i.xlarge"
+    (provider,) = [p for p in result.of_type("pulumi:providers:aws")]
+    assert provider.inputs["region"] == "us-east-1"
+    eip = _ip("198.51", "gateway-ip")
+    rules = [f for f in result.of_type("gcp:compute/firewall:Firewall") if "gateway" in f.name]
+    assert rules and all(f.inputs["sourceRanges"] == [f"{eip}/32"] for f in rules)
+    assert all(f.inputs["allows"] == [{"protocol": "tcp", "ports": ["8000"]}] for f in rules)
+    config = config_of(result)
+    heads = [
+        n
+        for n in result.of_type("gcp:compute/instance:Instance")
+        if n.inputs["labels"]["coral-phase"] in ("decode", "aggregated")
+        and n.inputs["labels"]["coral-node"] == "0"
+    ]
+    assert heads and all(f" {_ip('203.0', h.name)}:8000 " in config for h in heads)
+
+
+def test_gateway_can_be_turned_off_and_a_gcp_only_fleet_gets_none_by_default(tmp_path):
+    off = preview_stack("off", stacks_with(tmp_path, "off", deploy={"gateway": {"enabled": False}}))
+    gcp = preview_stack(
+        "gcp",
+        stacks_with(
+            tmp_path,
+            "gcp",
+            regions=[{"cloud": "gcp", "region": "us-central1"}],
+            node_configs=["l4x1", "l4x4", "a100-80gbx1"],
+        ),
+    )
+    for result in (off, gcp):
+        assert not [r for r in result.resources if "gateway" in r.name]
+        assert "gateway" not in result.outputs and result.outputs["endpoints"]
+
+
+@pytest.mark.parametrize(
+    ("gateway", "message"),
+    [
+        ({"cloud": "gcp"}, "gateway.cloud"),
+        ({"health_check_interval_ms": 10}, "health_check_interval_ms"),
+        ({"instance_typ": "c7i.large"}, "instance_typ"),
+    ],
+    ids=["gcp_gateway", "interval_too_short", "misspelt_key"],
+)
+def test_bad_gateway_settings_name_the_field(tmp_path, gateway, message):
+    stacks = stacks_with(tmp_path, "badgw", deploy={"gateway": gateway})
+    with pytest.raises(Exception, match=message):
+        preview_stack("badgw", stacks)
+
+
+def test_coral_preview_shows_the_gateway_address_per_model(tmp_path, monkeypatch):
+    monkeypatch.chdir(REPO)
+    r = CliRunner().invoke(app, ["preview", "--stack", "dev"])
+    assert r.exit_code == 0, r.output
+    assert "Gateway (c7i.large): http://198.51." in r.stdout
+    assert "phi-4: http://198.51." in r.stdout and ":8000/phi-4/v1" in r.stdout
+    r = CliRunner().invoke(app, ["preview", "--stack", "dev", "--json"])
+    outputs = json.loads(r.stdout)["outputs"]
+    assert outputs["gateway_endpoints"]["phi-4"] == outputs["gateway"] + "/phi-4/v1"
