@@ -29,7 +29,7 @@ from solver.catalog import GpuType, NodeConfig
 from solver.model_cards import ModelCard
 
 Phase = Literal["prefill", "decode"]
-PERF_MODEL_VERSION = "1"
+PERF_MODEL_VERSION = "2"  # 2: decode pipelines hold KV for every micro-batch in flight
 
 
 class Efficiency(BaseModel):

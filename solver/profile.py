@@ -144,6 +144,7 @@ class PerfModel:
         context: float = 1024,
         hop: bool = True,
         tp: int | None = None,
+        in_flight: int = 1,
     ) -> list[ProfileEntry]:
         """T̂ for every node config (default: every node config the catalog sells).
 
@@ -151,6 +152,8 @@ class PerfModel:
             context: decode context tokens, or prefill prompt length per request.
             hop: charge the stage for sending its activations to the next node.
             tp: use only this TP degree (vLLM's one-TP-size rule); default: the best valid one.
+            in_flight: decode micro-batches a stage holds KV for at once: a pipeline of S
+                stages keeps S in flight, so each may use only 1/S of the stage's KV cache.
         """
         if budget_ms <= 0:
             raise InputError("budget_ms", f"must be > 0, got {budget_ms}", "pass a positive budget")
@@ -159,7 +162,9 @@ class PerfModel:
         for node in nodes if nodes is not None else list(self.catalog.node_configs):
             cfg = self.catalog.node(node)
             for j in range(1, card.layers + 1):
-                entry = self._best_entry(card, model, cfg, phase, j, budget_ms, context, hop, tp)
+                entry = self._best_entry(
+                    card, model, cfg, phase, j, budget_ms, context, hop, tp, in_flight
+                )
                 if entry is None:
                     break  # more layers only take longer and leave less memory
                 out.append(entry)
@@ -176,12 +181,15 @@ class PerfModel:
         context: float,
         hop: bool,
         only_tp: int | None = None,
+        in_flight: int = 1,
     ) -> ProfileEntry | None:
         tps = [t for t in self._tps(card, cfg) if only_tp in (None, t)]
         candidates = [
             e
             for tp in tps
-            if (e := self._entry(card, model, cfg, tp, phase, j, budget_ms, context, hop))
+            if (
+                e := self._entry(card, model, cfg, tp, phase, j, budget_ms, context, hop, in_flight)
+            )
         ]
         return max(candidates, key=lambda e: (e.tokens_per_s, -e.tp), default=None)
 
@@ -196,13 +204,14 @@ class PerfModel:
         budget_ms: float,
         context: float,
         hop: bool,
+        in_flight: int = 1,
     ) -> ProfileEntry | None:
         kv_cap = self.kv_capacity_tokens(card, cfg, tp, j)
         if kv_cap < self.settings.min_kv_tokens:
             return None
         held = card.kv_tokens_held(context)
         # Decode holds `context` tokens per sequence; prefill writes one KV entry per token.
-        max_size = int(kv_cap // held) if phase == "decode" else kv_cap
+        max_size = int(kv_cap // (held * in_flight)) if phase == "decode" else kv_cap
         max_size = min(max_size, self.settings.max_batch_tokens)
         measured = self.measured.get(model, cfg.id, phase)
         if measured is not None:

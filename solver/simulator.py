@@ -22,8 +22,10 @@ What is modelled:
   max_tokens=1. The KV cache then moves to a decode instance: prompt x KV bytes per token over
   the decode node's network, plus one hop latency. The decode instance streams every output
   token, so TTFT ends at decode's first token.
-- **Aggregated instances** run the prefill pass, then the decode pass on the same instance. This
-  ignores interference between the two phases, so it is optimistic.
+- **Aggregated instances** time-share one pipeline between the phases, as vLLM's scheduler does
+  without chunked prefill: whenever arrived prompts fit (KV and the running cap), a prefill pass
+  runs and every running sequence waits for it; otherwise decode rounds run. So prefill passes
+  stall decoding, and TPOT includes the stalls.
 - **Routing** is the paper's: smooth weighted round-robin across a (model, phase)'s instances,
   with weights = template throughput.
 
@@ -252,10 +254,27 @@ def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
     return out
 
 
+def _chunked_prefill(
+    inst: InstanceModel, start: float, prompts: np.ndarray, limit: int
+) -> tuple[np.ndarray, float]:
+    """A batch of prompts streamed through the pipeline in chunks of at most `limit` tokens
+    (vLLM's chunked prefill, with --max-num-batched-tokens = limit), starting at `start`.
+    Returns each prompt's completion time (its last chunk out of the last stage) and when the
+    pipeline can take new work (the first stage is free again)."""
+    total = int(prompts.sum())
+    chunk = min(total, limit)
+    latency, period = inst.prefill_ms(chunk)
+    chunks_to_end = np.ceil(np.cumsum(prompts) / chunk)
+    done = start + (latency + (chunks_to_end - 1) * period) / 1e3
+    return done, start + math.ceil(total / chunk) * period / 1e3
+
+
 def _prefill_pass(
     inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, cap: int
 ) -> np.ndarray:
-    """FCFS batched prefill on one instance; returns each request's completion time (s)."""
+    """FCFS batched prefill on one instance: whenever the pipeline is free, the prompts that
+    have arrived, up to `limit` tokens (one prompt over it is chunked). Returns each request's
+    completion time (s)."""
     n = len(arrival)
     done = np.full(n, np.inf)
     t_free, i = 0.0, 0
@@ -266,9 +285,7 @@ def _prefill_pass(
         while j < n and arrival[j] <= start and (j == i or tokens + prompt[j] <= limit):
             tokens += int(prompt[j])
             j += 1
-        latency, period = inst.prefill_ms(tokens)
-        done[i:j] = start + latency / 1e3
-        t_free = start + period / 1e3
+        done[i:j], t_free = _chunked_prefill(inst, start, prompt[i:j], limit)
         i = j
     return done
 
@@ -326,6 +343,85 @@ def _decode_pass(
     return first, finish, peak
 
 
+def _aggregated_pass(
+    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Prefill and decode time-sharing one instance (requests sorted by arrival). Returns (first
+    token time = end of its prefill, finish time, peak KV tokens used).
+
+    Prefill has priority: whenever arrived prompts fit (KV and the running cap), all of them
+    stream through the pipeline in chunks of `limit` tokens and decode waits until the first
+    stage is free again; a request decodes once its prefill is out of the last stage. (Draining
+    the queue per prefill turn matters when a decode round is expensive: alternating one
+    prompt with one round would spend most of the time on rounds.)"""
+    n = len(arrival)
+    first, finish = np.full(n, np.inf), np.full(n, np.inf)
+    context = prompt + output
+    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
+    run_idx = np.empty(0, dtype=np.int64)  # decoding
+    run_left = np.empty(0, dtype=np.int64)
+    pend_idx = np.empty(0, dtype=np.int64)  # prefilled, not yet out of the pipeline
+    kv_used = peak = 0
+    t, nxt = 0.0, 0
+    while nxt < n or len(run_idx) or len(pend_idx):
+        if len(pend_idx):  # prefills out of the pipeline join decoding
+            ready = first[pend_idx] <= t
+            run_idx = np.concatenate([run_idx, pend_idx[ready]])
+            run_left = np.concatenate([run_left, output[pend_idx[ready]] - 1])
+            pend_idx = pend_idx[~ready]
+        # Requests with nothing left to decode finish with their first token.
+        done = run_left <= 0
+        if done.any():
+            finish[run_idx[done]] = first[run_idx[done]]
+            kv_used -= int(context[run_idx[done]].sum())
+            run_idx, run_left = run_idx[~done], run_left[~done]
+        if nxt < n and context[nxt] > inst.kv_capacity:
+            nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
+            continue
+        batch: list[int] = []
+        while (
+            nxt < n
+            and arrival[nxt] <= t
+            and kv_used + context[nxt] <= inst.kv_capacity
+            and len(run_idx) + len(pend_idx) + len(batch) < inst.max_running
+        ):
+            kv_used += int(context[nxt])
+            batch.append(nxt)
+            nxt += 1
+        peak = max(peak, kv_used)
+        if batch:
+            ids = np.array(batch, dtype=np.int64)
+            first[ids], t = _chunked_prefill(inst, t, prompt[ids], limit)
+            pend_idx = np.concatenate([pend_idx, ids])
+            continue
+        if not len(run_idx):
+            waits = [first[pend_idx].min()] if len(pend_idx) else []
+            if nxt < n and arrival[nxt] > t:  # an arrived one that did not fit waits for pend
+                waits.append(arrival[nxt])
+            if not waits:  # nothing left, or ready ones finished above
+                continue
+            t = max(t, min(waits))
+            continue
+        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
+        k = int(run_left.min())
+        blocked = nxt < n and (
+            kv_used + context[nxt] > inst.kv_capacity
+            or len(run_idx) + len(pend_idx) >= inst.max_running
+        )
+        if nxt < n and not blocked:  # stop decoding when the next prompt can start prefill
+            k = min(k, max(1, math.ceil((arrival[nxt] - t) / round_s)))
+        if len(pend_idx):  # or when a prefill comes out of the pipeline
+            k = min(k, max(1, math.ceil((first[pend_idx].min() - t) / round_s)))
+        t += k * round_s
+        run_left -= k
+        done = run_left == 0
+        if done.any():
+            finish[run_idx[done]] = t
+            kv_used -= int(context[run_idx[done]].sum())
+            run_idx, run_left = run_idx[~done], run_left[~done]
+    return first, finish, peak
+
+
 def simulate(
     plan: Plan, fleet: FleetConfig, perf: PerfModel, traces: dict[str, Trace], duration_s: float
 ) -> SimResult:
@@ -353,10 +449,19 @@ def simulate(
         finish = np.full(n, np.inf)
         peaks: dict[str, int] = {}
         cap = perf.settings.max_batch_tokens
-        pre_phase = "prefill" if "prefill" in by_phase else "aggregated"
-        pre = by_phase.get(pre_phase, [])
-        dec = by_phase.get("decode" if pre_phase == "prefill" else "aggregated", [])
-        if pre and dec:
+        pre = by_phase.get("prefill", [])
+        dec = by_phase.get("decode", [])
+        agg = by_phase.get("aggregated", [])
+        if agg:
+            route = smooth_wrr([i.throughput for i in agg], n)
+            for k, agg_inst in enumerate(agg):
+                mine = np.flatnonzero(route == k)
+                fst, fin, peak = _aggregated_pass(
+                    agg_inst, trace.arrival_s[mine], trace.prompt[mine], trace.output[mine], cap
+                )
+                first[mine], finish[mine] = fst, fin
+                peaks[names["aggregated"][k]] = peak
+        elif pre and dec:
             route = smooth_wrr([i.throughput for i in pre], n)
             prefill_done = np.full(n, np.inf)
             for k, pre_inst in enumerate(pre):
@@ -364,21 +469,16 @@ def simulate(
                 prefill_done[mine] = _prefill_pass(
                     pre_inst, trace.arrival_s[mine], trace.prompt[mine], cap
                 )
-            disaggregated = pre_phase == "prefill"
-            # Disaggregated (vLLM's PD proxy): prefill runs with max_tokens=1, the KV moves,
-            # and the decode instance streams every output token, so the client's first token
-            # is decode's first. Aggregated: prefill's token is the first; decode makes the rest.
-            need = trace.output if disaggregated else trace.output - 1
-            first = np.full(n, np.inf) if disaggregated else prefill_done.copy()
+            # vLLM's PD proxy: prefill runs with max_tokens=1, the KV moves, and the decode
+            # instance streams every output token, so the client's first token is decode's first.
+            need = trace.output
             droute = smooth_wrr([i.throughput for i in dec], n)
             for k, dec_inst in enumerate(dec):
                 mine = np.flatnonzero(droute == k)
-                transfer: float | np.ndarray = 0.0
-                if disaggregated:
-                    kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
-                    transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
-                        dec_inst.network_gbps * 1e9
-                    )
+                kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
+                transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
+                    dec_inst.network_gbps * 1e9
+                )
                 ready = prefill_done[mine] + transfer
                 order = np.argsort(ready, kind="stable")
                 idx = mine[order]
@@ -392,9 +492,8 @@ def simulate(
                         need[idx][has],
                     )
                     f[has] = fin
-                    if disaggregated:
-                        first[idx[has]] = fst
-                    peaks[names["decode" if disaggregated else "aggregated"][k]] = peak
+                    first[idx[has]] = fst
+                    peaks[names["decode"][k]] = peak
                 finish[idx] = f
         results[model] = ModelResult(
             model,
@@ -407,3 +506,67 @@ def simulate(
             peaks,
         )
     return SimResult(duration_s, results)
+
+
+def capacity_check(
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    duration_s: float = 600.0,
+    overload: float = 1.5,
+) -> list[dict[str, object]]:
+    """Each template of the plan driven alone at `overload` x its planned throughput, with every
+    request at the model's mean lengths: the throughput it sustains (completions in the last two
+    thirds of the run) next to the template library's figure. Units as the library's: prompt
+    tokens/s (prefill), output tokens/s (decode), requests/s (aggregated)."""
+    from solver.traces import WorkloadShape, generate_trace
+
+    fixed = WorkloadShape(1.0, 0.0, 0.0)  # Poisson arrivals, every request at the means
+    rows: list[dict[str, object]] = []
+    for ref in sorted({template_ref(i.model, i.phase, i.template) for i in plan.instances}):
+        template = plan.templates[ref]
+        spec = fleet.models[template.model]
+        inst = InstanceModel(
+            perf,
+            template,
+            spec.decode_context_tokens,
+            spec.mean_prompt_tokens,
+            (spec.slo_ms.prefill, spec.slo_ms.decode),
+        )
+        per_request = {
+            "prefill": spec.mean_prompt_tokens,
+            "decode": spec.mean_output_tokens,
+            "aggregated": 1.0,
+        }[template.phase]
+        rate = overload * template.throughput / per_request
+        trace = generate_trace(
+            rate, duration_s, spec.mean_prompt_tokens, spec.mean_output_tokens, shape=fixed
+        )
+        cap = perf.settings.max_batch_tokens
+        if template.phase == "prefill":
+            finish = _prefill_pass(inst, trace.arrival_s, trace.prompt, cap)
+            work = trace.prompt
+        elif template.phase == "decode":
+            _, finish, _ = _decode_pass(
+                inst, trace.arrival_s, trace.prompt + trace.output, trace.output
+            )
+            work = trace.output
+        else:
+            _, finish, _ = _aggregated_pass(inst, trace.arrival_s, trace.prompt, trace.output, cap)
+            work = np.ones(len(trace), dtype=np.int64)
+        start = duration_s / 3
+        window = (finish >= start) & (finish < duration_s)
+        simulated = float(work[window].sum()) / (duration_s - start)
+        rows.append(
+            {
+                "model": template.model,
+                "phase": template.phase,
+                "template": template.key,
+                "library": round(template.throughput, 3),
+                "simulated": round(simulated, 3),
+                "ratio": round(simulated / template.throughput, 3),
+                "max_running": inst.max_running,
+                "kv_capacity_tokens": inst.kv_capacity,
+            }
+        )
+    return rows

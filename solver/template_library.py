@@ -114,7 +114,11 @@ class RowSource:
         )
         out = np.zeros(self.layers)
         tps = np.full(self.layers, tp or self.perf.catalog.node(node).gpu_count)
-        for e in self.perf.profile_table(self.model, phase, budget, [node], ctx, hop=s > 1, tp=tp):
+        # A decode pipeline of s stages keeps s micro-batches in flight, each holding its KV.
+        in_flight = s if phase == "decode" else 1
+        for e in self.perf.profile_table(
+            self.model, phase, budget, [node], ctx, hop=s > 1, tp=tp, in_flight=in_flight
+        ):
             out[e.layers - 1] = e.tokens_per_s
             tps[e.layers - 1] = e.tp
         if tp is None and (node, s) not in self._tps:
