@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 from rich.table import Table
@@ -21,6 +21,14 @@ def simulate_cmd(
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traces.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    capacity: Annotated[
+        bool,
+        typer.Option(
+            "--capacity",
+            help="Instead: drive each template alone past its capacity and compare the "
+            "throughput it sustains with the template library's figure.",
+        ),
+    ] = False,
 ) -> None:
     """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
     from coral_iac.plan_cli import load_plan
@@ -33,6 +41,9 @@ def simulate_cmd(
     fleet = load_stack(STACKS_DIR, stack)
     plan = load_plan(plan_file)
     perf = load_perf_model()
+    if capacity:
+        _capacity(plan, fleet, perf, duration, as_json)
+        return
     if trace_dir is not None:
         traces = {m: load_trace_csv(trace_dir / f"{m}.csv") for m in sorted(fleet.models)}
     else:
@@ -64,6 +75,31 @@ def simulate_cmd(
             f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
         )
     out.print(table)
+
+
+def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:
+    from solver.simulator import capacity_check
+
+    rows = capacity_check(plan, fleet, perf, duration_s=duration)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="Capacity per template: simulated at 1.5x its throughput vs the library")
+    cols = ("model", "phase", "template", "library", "simulated", "ratio")
+    for col in cols:
+        table.add_column(col, justify="left" if col in cols[:3] else "right")
+    for r in rows:
+        flag = "" if 0.9 <= float(r["ratio"]) <= 1.1 else " !"
+        table.add_row(
+            str(r["model"]),
+            str(r["phase"]),
+            str(r["template"]),
+            f"{r['library']:,.2f}",
+            f"{r['simulated']:,.2f}",
+            f"{r['ratio']:.3f}{flag}",
+        )
+    out.print(table)
+    out.print("Units: prompt tokens/s (prefill), output tokens/s (decode), requests/s (aggregated).")
 
 
 def _ms(value: float | None, digits: int) -> str:

@@ -211,6 +211,14 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
     ):
         assert key in data
     assert data["requests"] == data["finished"] > 0
+    r = runner.invoke(
+        app,
+        ["simulate", "--stack", "dev", "--plan", str(plan_file), "--duration", "120"]
+        + ["--capacity", "--json"],
+    )
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert rows and all(set(row) >= {"template", "library", "simulated", "ratio"} for row in rows)
 
 
 def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
