@@ -74,12 +74,11 @@ def bench(
         task = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
-                fleet = load_stack(STACKS_DIR, name).with_mode(mode)
-                if target_utilization is not None:
-                    allocation = fleet.allocation.model_copy(
-                        update={"target_utilization": target_utilization}
-                    )
-                    fleet = fleet.model_copy(update={"allocation": allocation})
+                fleet = (
+                    load_stack(STACKS_DIR, name)
+                    .with_mode(mode)
+                    .with_target_utilization(target_utilization)
+                )
                 libs = libraries_for(
                     perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
                 )

@@ -114,6 +114,12 @@ def epochs_cmd(
     epoch_minutes: Annotated[float, typer.Option(help="Adjustment interval.")] = 6,
     startup_minutes: Annotated[float, typer.Option(help="Time before a new node serves.")] = 6,
     library: Annotated[Path | None, typer.Option(help="Template-library folder.")] = None,
+    target_utilization: Annotated[
+        float | None, typer.Option(help="Override allocation.target_utilization (headroom).")
+    ] = None,
+    cold_start: Annotated[
+        bool, typer.Option(help="The first epoch's fleet boots too (default: already serving).")
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Run the paper's epochs: re-plan each interval (start-up penalty, changing availability)
@@ -132,11 +138,18 @@ def epochs_cmd(
         raise InputError("--availability", f"not numbers: {availability}", "e.g. 1,0.8,0.6") from e
     if not factors or any(f < 0 for f in factors):
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
-    fleet = load_stack(STACKS_DIR, stack)
+    fleet = load_stack(STACKS_DIR, stack).with_target_utilization(target_utilization)
     perf = load_perf_model()
     libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or LIBRARY_ROOT / stack)
     results = run_epochs(
-        stack, fleet, perf, libs, factors, epoch_minutes * 60, startup_minutes * 60
+        stack,
+        fleet,
+        perf,
+        libs,
+        factors,
+        epoch_minutes * 60,
+        startup_minutes * 60,
+        cold_start=cold_start,
     )
     if as_json:
         print_json([asdict(r) for r in results])

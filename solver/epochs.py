@@ -59,8 +59,10 @@ def run_epochs(
     epoch_s: float = 360,
     startup_s: float = 360,
     seed: int = 0,
+    cold_start: bool = False,
 ) -> list[EpochResult]:
-    """Plan and simulate one epoch per availability factor."""
+    """Plan and simulate one epoch per availability factor. The first epoch's fleet is already
+    serving when the run starts, unless `cold_start` (then it too waits `startup_s`)."""
     results = []
     previous: Plan | None = None
     for e, factor in enumerate(factors):
@@ -71,7 +73,7 @@ def run_epochs(
             if previous is not None
             else {"added": [i.key for i in plan.instances], "removed": []}
         )
-        new = set(diff["added"])
+        new = set(diff["added"]) if previous is not None or cold_start else set()
         warm = min(startup_s, epoch_s)
         parts = []
         if warm > 0 and new:

@@ -344,6 +344,15 @@ class FleetConfig(BaseModel):
             raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
         return self.model_copy(update={"library": self.library.model_copy(update={"mode": mode})})
 
+    def with_target_utilization(self, u: float | None) -> FleetConfig:
+        """This fleet buying capacity for demand / u (None: unchanged), e.g. from an option."""
+        if u is None:
+            return self
+        if not 0 < u <= 1:
+            raise InputError("--target-utilization", f"must be in (0, 1], got {u}", "e.g. 0.7")
+        allocation = self.allocation.model_copy(update={"target_utilization": u})
+        return self.model_copy(update={"allocation": allocation})
+
     @model_validator(mode="after")
     def _consistent(self) -> FleetConfig:
         if len(set(self.node_configs)) != len(self.node_configs):

@@ -261,8 +261,11 @@ def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
     from solver.epochs import run_epochs
 
     f = fleet()
-    # start-up as long as the epoch: nothing new serves in epoch 0; epoch 1 keeps the plan
-    results = run_epochs("test", f, perf(), libraries(), [1.0, 1.0], epoch_s=60, startup_s=60)
+    # cold start, start-up as long as the epoch: nothing new serves in epoch 0; epoch 1 keeps
+    # the plan
+    results = run_epochs(
+        "test", f, perf(), libraries(), [1.0, 1.0], epoch_s=60, startup_s=60, cold_start=True
+    )
     assert results[0].added > 0 and results[0].goodput_tokens_per_s == 0
     assert results[1].added == results[1].removed == 0
     assert results[1].goodput_tokens_per_s > 0
@@ -270,6 +273,9 @@ def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
     # scarcer availability in a later epoch serves less, and says so
     scarce = run_epochs("test", f, perf(), libraries(), [1.0, 0.0], epoch_s=60, startup_s=0)
     assert scarce[1].served_fraction < 1 and scarce[1].removed > 0
+    # warm start (the default): the first epoch's fleet is serving from the start
+    warm = run_epochs("test", f, perf(), libraries(), [1.0], epoch_s=60, startup_s=60)
+    assert warm[0].goodput_tokens_per_s > 0
 
 
 def test_library_and_simulator_agree_on_each_templates_capacity():
