@@ -105,13 +105,15 @@ def declare(
     the gateway's outputs (none when `deploy.gateway.enabled` is false)."""
     infra = Infra(stack, fleet.deploy)
     deploy = fleet.deploy
-    gateway = _gateway(fleet, stack, infra)  # first: endpoint groups admit it
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[tuple[str, str], list[pulumi.Output[str]]] = {}
     batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
+    for inst in order:  # regions (and their CIDRs) in plan order, whatever the gateway's region
+        infra.region(inst.cloud, inst.region)
+    gateway = _gateway(fleet, stack, infra)  # before any group: endpoint groups admit it
     for inst in order:
         ref = template_ref(inst.model, inst.phase, inst.template)
         template = plan.templates[ref]

@@ -396,3 +396,22 @@ def test_coral_preview_shows_the_gateway_address_per_model(tmp_path, monkeypatch
     r = CliRunner().invoke(app, ["preview", "--stack", "dev", "--json"])
     outputs = json.loads(r.stdout)["outputs"]
     assert outputs["gateway_endpoints"]["phi-4"] == outputs["gateway"] + "/phi-4/v1"
+
+
+def test_a_gateway_in_another_aws_region_keeps_the_fleets_networks(tmp_path):
+    stacks = stacks_with(tmp_path, "east1", deploy={"gateway": {"region": "us-east-1"}})
+    result = preview_stack("east1", stacks)
+    vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
+    # The fleet's region keeps the CIDR it has without a gateway; the gateway's comes after.
+    assert vpcs == {"vpc-us-east-2": "10.0.0.0/16", "vpc-us-east-1": "10.1.0.0/16"}
+    groups = {g.name: g for g in result.of_type("aws:ec2/securityGroup:SecurityGroup")}
+    (rule,) = [r for r in groups["sg-phi-4-us-east-2"].inputs["ingress"] if not r.get("self")]
+    assert rule["cidrBlocks"] == [f"{_ip('198.51', 'gateway-ip')}/32"]  # its Elastic IP only
+    assert (rule["fromPort"], rule["toPort"]) == (8000, 8000)
+    decode_heads = [
+        n
+        for n in result.of_type("aws:ec2/instance:Instance")
+        if n.inputs["tags"].get("coral:phase") == "decode"
+    ]
+    config = config_of(result)
+    assert decode_heads and all(f" {_ip('198.51', h.name)}:8000 " in config for h in decode_heads)
