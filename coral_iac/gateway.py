@@ -40,7 +40,7 @@ STATES: tuple[str, ...] = ("ready", "starting", "draining")
 # HAProxy's largest server weight (configuration.txt of HAProxy 2.6, "weight <weight>").
 WEIGHT_MAX = 256
 # SSM Parameter Store: 4 KB per standard value, 8 KB per advanced one (AWS Systems Manager User
-# Guide, "Managing parameter tiers", read 2026-12). Intelligent-Tiering picks advanced when needed.
+# Guide, "Managing parameter tiers", read 2026-11). Intelligent-Tiering picks advanced when needed.
 PARAMETER_LIMIT_CHARS = 8192
 POLL_SECONDS = 30
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # safe in a path, an ACL, a backend
@@ -91,18 +91,7 @@ def gateway_upstreams(
     serving = sorted(
         (i for i in plan.instances if i.phase in ("aggregated", "decode")), key=lambda i: i.key
     )
-    unknown = sorted(set(states) - {i.key for i in serving})
-    if unknown:
-        raise InputError(
-            "gateway states",
-            f"{', '.join(unknown)} are not aggregated or decode instances of the plan",
-            "pass a plan that still holds every replica the gateway routes to (draining ones too)",
-        )
-    for key, given in sorted(states.items()):
-        if given not in STATES:
-            raise InputError(
-                f"gateway states[{key}]", f"unknown state '{given}'", "use " + ", ".join(STATES)
-            )
+    _check_states(states, {i.key for i in serving})
     peak: dict[str, float] = {}
     rows: list[tuple[Instance, float, str, UpstreamState]] = []
     for inst in serving:
@@ -136,6 +125,21 @@ def gateway_upstreams(
         )
         for inst, throughput, unit, state in rows
     ]
+
+
+def _check_states(states: Mapping[str, str], serving: set[str]) -> None:
+    unknown = sorted(set(states) - serving)
+    if unknown:
+        raise InputError(
+            "gateway states",
+            f"{', '.join(unknown)} are not aggregated or decode instances of the plan",
+            "pass a plan that still holds every replica the gateway routes to (draining ones too)",
+        )
+    for key, given in sorted(states.items()):
+        if given not in STATES:
+            raise InputError(
+                f"gateway states[{key}]", f"unknown state '{given}'", "use " + ", ".join(STATES)
+            )
 
 
 def _weight(throughput: float, peak: float) -> int:
