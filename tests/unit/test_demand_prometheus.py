@@ -117,12 +117,13 @@ def wait_for_samples(url: str, proc: subprocess.Popen[bytes], log: Path) -> None
     while time.monotonic() < deadline:
         assert proc.poll() is None, f"prometheus exited: {log.read_text()}"
         try:
-            data = httpx.get(f"{url}/api/v1/query", params={"query": query}).json()
-            result = data["data"]["result"]
+            response = httpx.get(f"{url}/api/v1/query", params={"query": query})
+        except httpx.TransportError:
+            response = None  # not listening yet
+        if response is not None and response.status_code == 200:  # 503 while starting
+            result = response.json()["data"]["result"]
             if result and float(result[0]["value"][1]) >= 11:
                 return
-        except httpx.TransportError:
-            pass
         time.sleep(0.5)
     raise AssertionError(f"prometheus had too few samples after 30 s: {log.read_text()}")
 
