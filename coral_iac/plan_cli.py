@@ -68,11 +68,18 @@ def make_plan(
     stack: str, method: str, previous: Path | None, library: Path | None, workers: int
 ) -> Any:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan."""
+    from coral_iac.demand_sources import resolve_demand
     from solver.defaults import load_perf_model
     from solver.planner import LIBRARY_ROOT, plan_with_library
     from solver.stack import load_stack
 
-    fleet = load_stack(STACKS_DIR, stack)
+    # The same demand the Pulumi program plans for: the stack's demand source.
+    fleet = resolve_demand(
+        load_stack(STACKS_DIR, stack),
+        stack,
+        STACKS_DIR,
+        warn=lambda line: err.print(f"[yellow]warning:[/] {line}"),
+    )
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
     with progress_bar() as bar:
