@@ -18,7 +18,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedCo
 
 from solver.errors import CoralError
 
-err = Console(stderr=True)
+# Errors and warnings are not hard-wrapped, so a path or command in them stays copyable.
+err = Console(stderr=True, soft_wrap=True)
 out = Console()
 F = TypeVar("F", bound=Callable[..., Any])
 STACKS_DIR = Path("stacks")  # relative to the Pulumi project, where `coral` runs
