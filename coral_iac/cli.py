@@ -338,7 +338,7 @@ def profile_measure(
 ) -> None:
     """Time one decoder layer on the local GPU (or CPU) and write a measured table.
 
-    Needs the optional extra: pip install 'coral-iac[profile]'.
+    Needs the optional extra: pip install 'coral-iac\\[profile]'.
     """
     try:
         import torch  # noqa: F401
