@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -101,16 +102,28 @@ class PreviewResult:
         return [r for r in self.resources if r.type == typ]
 
 
-def preview_stack(stack: str, stacks_dir: Path, previous: Plan | None = None) -> PreviewResult:
-    """Run the program for `stack` under mocks; `previous` plays the stack's last outputs."""
+def preview_stack(
+    stack: str,
+    stacks_dir: Path,
+    previous: Plan | None = None,
+    previous_outputs: dict[str, Any] | None = None,
+    now: datetime | None = None,
+) -> PreviewResult:
+    """Run the program for `stack` under mocks. The stack's last outputs are
+    `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the plan
+    `previous`; `now` fakes the clock (consecutive deploys in tests)."""
     from coral_iac import program
 
     config = stack_config(stacks_dir, stack)
     pulumi.runtime.set_all_config(
         {k if ":" in k else f"{PROJECT}:{k}": v for k, v in config.items()}
     )
-    previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
+    if previous_outputs is None:
+        previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
     mocks = CoralMocks(previous_outputs)
+    clock = program.clock
+    if now is not None:
+        program.clock = lambda: now  # type: ignore[assignment]
     # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
     pulumi.runtime.settings.ROOT.set(None)
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
@@ -122,5 +135,8 @@ def preview_stack(stack: str, stacks_dir: Path, previous: Plan | None = None) ->
         outputs = getattr(root, "outputs", {}) or {}
         return pulumi.Output.from_input(outputs).apply(exported.update)
 
-    pulumi.runtime.test(body)()
+    try:
+        pulumi.runtime.test(body)()
+    finally:
+        program.clock = clock  # type: ignore[assignment]
     return PreviewResult(mocks.resources, exported)

@@ -2,23 +2,31 @@
 
 `__main__.py` calls `run()`. The steps:
 
-1. Read `coral:fleet` from the stack config.
-2. Read the previous plan from the stack's own last outputs (a `StackReference` to itself).
-   Pulumi's state is what this program last declared, so nu0 is exactly the running fleet as
-   Pulumi knows it (`pulumi refresh` reconciles drift). Querying the clouds for tagged
-   instances would need credentials in preview and per-cloud listing code, for no gain.
+1. Read `coral:fleet` from the stack config, with each model's demand from the stack's demand
+   source (config, demand file or Prometheus: `coral_iac/demand_sources.py`), as `coral plan`
+   does.
+2. Read the previous plan and fleet state from the stack's own last outputs (a
+   `StackReference` to itself). Pulumi's state is what this program last declared, so nu0 is
+   exactly the running fleet as Pulumi knows it (`pulumi refresh` reconciles drift). Querying
+   the clouds for tagged instances would need credentials in preview and per-cloud listing
+   code, for no gain.
 3. Load the template library from `.coral/library/<stack>`. A missing library is built; a stale
    one is an error unless `deploy.rebuild_library` is set.
 4. Solve the allocation with nu0 = the previous plan, and validate the plan.
 5. Check the plan is deployable (vllm mode, budget, prefill/decode pairs per region).
-6. Declare the gateway (`coral_iac/gateway.py`), each serving instance, and the gateway's
-   HAProxy configuration; export costs, the plan, the endpoints and the gateway's URLs.
+6. Work out each instance's state (`solver/reconfigure.py`): new ones start, instances leaving
+   the plan keep serving (retiring) until their replacements have booted, then drain for one
+   run before they are deleted.
+7. Declare the gateway (`coral_iac/gateway.py`), every instance of the plan and every leaving
+   one, and the gateway's HAProxy configuration (new requests to ready and retiring instances
+   only); export costs, the plan, the fleet state, the endpoints and the gateway's URLs.
 """
 
 from __future__ import annotations
 
 import io
 import json
+from datetime import UTC, datetime
 from typing import Any
 
 import pulumi
@@ -28,6 +36,8 @@ from rich.table import Table
 
 from coral_iac.bootstrap import node_boots
 from coral_iac.components import ServingInstance, ServingInstanceArgs
+from coral_iac.console import STACKS_DIR
+from coral_iac.demand_sources import resolve_demand
 from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
 from coral_iac.infra import Infra, slug
 from solver import planner
@@ -37,6 +47,7 @@ from solver.io import parse_model
 from solver.plan import Instance, Plan, diff_plans, template_ref
 from solver.planner import plan_with_library
 from solver.profile import PerfModel
+from solver.reconfigure import FleetState, transition
 from solver.simulator import InstanceModel
 from solver.stack import FleetConfig
 
@@ -48,16 +59,45 @@ def read_fleet() -> FleetConfig:
     return parse_model(FleetConfig, raw, "coral:fleet")
 
 
-def previous_plan(stack: str) -> Plan | None:
-    """The plan this stack last deployed, from its own `plan` output (None on a new stack)."""
+def clock() -> datetime:
+    """Now (UTC); a module attribute so that tests can run consecutive deploys in fake time."""
+    return datetime.now(UTC)
+
+
+def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None]:
+    """The plan and fleet state this stack last deployed, from its own `plan` and
+    `fleet_state` outputs (None on a new stack)."""
     ref = pulumi.StackReference(
         f"{pulumi.get_organization()}/{pulumi.get_project()}/{stack}",
         opts=pulumi.ResourceOptions(retain_on_delete=True),
     )
-    # Top-level program code is synchronous; the SDK's own sync invokes wait the same way.
-    details = _sync_await(ref.get_output_details("plan"))
-    text = details.value if details.value is not None else details.secret_value
-    return Plan.model_validate_json(text) if text else None
+
+    def text(name: str) -> str | None:
+        # Top-level program code is synchronous; the SDK's own sync invokes wait the same way.
+        details = _sync_await(ref.get_output_details(name))
+        value = details.value if details.value is not None else details.secret_value
+        return str(value) if value else None
+
+    plan, state = text("plan"), text("fleet_state")
+    return (
+        Plan.model_validate_json(plan) if plan else None,
+        FleetState.model_validate_json(state) if state else None,
+    )
+
+
+def declared_plan(plan: Plan, state: FleetState) -> Plan:
+    """The plan with the instances leaving it (retiring, draining) added back: what this run
+    declares. Their templates come from the state, so they are declared as they were."""
+    templates = dict(plan.templates)
+    for m in state.members.values():
+        ref = template_ref(m.instance.model, m.instance.phase, m.instance.template)
+        templates.setdefault(ref, m.template)
+    return plan.model_copy(
+        update={
+            "instances": [m.instance for m in state.members.values()],
+            "templates": templates,
+        }
+    )
 
 
 def make_plan(stack: str, fleet: FleetConfig, perf: PerfModel, previous: Plan | None) -> Plan:
@@ -99,10 +139,17 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
 
 
 def declare(
-    plan: Plan, fleet: FleetConfig, perf: PerfModel, stack: str
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    stack: str,
+    states: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
-    the gateway's outputs (none when `deploy.gateway.enabled` is false)."""
+    the gateway's outputs (none when `deploy.gateway.enabled` is false).
+
+    `states` (instance key -> starting, ready, retiring or draining) sets what the gateway
+    sends each instance: new requests to ready and retiring ones only."""
     infra = Infra(stack, fleet.deploy)
     deploy = fleet.deploy
     upstreams: dict[str, pulumi.Output[str]] = {}
@@ -190,11 +237,18 @@ def declare(
     outputs: dict[str, Any] = {}
     if gateway is not None:
         try:
-            by_model = gateway.publish(plan, upstreams)
+            by_model = gateway.publish(plan, upstreams, _gateway_states(plan, states or {}))
         except CoralError as e:
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
+
+
+def _gateway_states(plan: Plan, states: dict[str, str]) -> dict[str, str]:
+    """The gateway's view of its upstreams (aggregated and decode instances): a retiring one
+    still takes new requests, like a ready one."""
+    fronted = {i.key for i in plan.instances if i.phase in ("aggregated", "decode")}
+    return {k: "ready" if v == "retiring" else v for k, v in states.items() if k in fronted}
 
 
 def _gateway(fleet: FleetConfig, stack: str, infra: Infra) -> Gateway | None:
@@ -232,8 +286,9 @@ def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
     )
 
 
-def cost_diff_table(previous: Plan | None, plan: Plan) -> str:
-    """One screen: $/hour per model before and after, instances added and removed."""
+def cost_diff_table(previous: Plan | None, plan: Plan, state: FleetState | None = None) -> str:
+    """One screen: $/hour per model before and after, instances added and removed; with the
+    fleet state, also what the instances leaving the plan still cost this interval."""
     empty = plan.model_copy(update={"instances": [], "hourly_cost_usd": 0.0})
     diff = diff_plans(previous or empty, plan)
     table = Table(
@@ -251,7 +306,19 @@ def cost_diff_table(previous: Plan | None, plan: Plan) -> str:
             str(row["removed"]),
         )
     buffer = io.StringIO()
-    Console(file=buffer, width=100, force_terminal=False).print(table)
+    console = Console(file=buffer, width=100, force_terminal=False)
+    console.print(table)
+    if state is not None:
+        by = state.by_state()
+        leaving = [state.members[k] for k in by["retiring"] + by["draining"]]
+        cost = sum(m.instance.usd_per_hour for m in leaving)
+        console.print(
+            f"Instances: {len(by['ready'])} ready, {len(by['starting'])} starting, "
+            f"{len(by['retiring'])} retiring (still serving until their replacements have "
+            f"booted), {len(by['draining'])} draining (no new requests; deleted next run). "
+            f"Leaving instances cost {cost:,.2f} $/hour this interval; declared total "
+            f"{state.hourly_cost_usd():,.2f} $/hour."
+        )
     return buffer.getvalue()
 
 
@@ -259,20 +326,24 @@ def run() -> None:
     """The program `__main__.py` runs."""
     stack = pulumi.get_stack()
     try:
-        fleet = read_fleet()
-        previous = previous_plan(stack)
+        fleet = resolve_demand(read_fleet(), stack, STACKS_DIR, warn=pulumi.log.warn)
+        previous, previous_state = previous_outputs(stack)
         perf = load_perf_model()
         plan = make_plan(stack, fleet, perf, previous)
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None
     check_deployable(plan, fleet)
-    pulumi.log.info(cost_diff_table(previous, plan))
+    if previous_state is None and previous is not None:  # a stack deployed before states
+        previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
+    state = transition(previous_state, plan, clock(), fleet.deploy.boot_minutes * 60)
+    pulumi.log.info(cost_diff_table(previous, plan, state))
     if plan.served_fraction < 1:
         pulumi.log.warn(
             f"scarce: the plan serves {plan.served_fraction:.1%} of every model's demand. "
             + " ".join(f"Limited by: {line}." for line in plan.binding)
         )
-    endpoints, gateway = declare(plan, fleet, perf, stack)
+    states = {key: m.state for key, m in state.members.items()}
+    endpoints, gateway = declare(declared_plan(plan, state), fleet, perf, stack, states)
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:
         where = by_region.setdefault(f"{i.cloud}:{i.region}", {})
@@ -287,3 +358,6 @@ def run() -> None:
     for name, value in gateway.items():  # gateway, gateway_endpoints
         pulumi.export(name, value)
     pulumi.export("plan", json.dumps(plan.model_dump(mode="json"), sort_keys=True))
+    pulumi.export("declared_hourly_cost_usd", state.hourly_cost_usd())
+    pulumi.export("instances_by_state", state.by_state())
+    pulumi.export("fleet_state", state.model_dump_json())

@@ -232,6 +232,13 @@ class DeploySettings(BaseModel):
     gcp_zones: dict[str, str] = Field(
         default_factory=dict, description="Region -> zone (default <region>-a)."
     )
+    boot_minutes: float = Field(
+        default=20,
+        gt=0,
+        description="Time a new instance needs to serve (boot, weights, CUDA graphs). A run "
+        "counts it ready only this long after it was first declared; until then the instances "
+        "it replaces keep serving (docs/deploy.md, safe reconfiguration).",
+    )
     rebuild_library: bool = Field(
         default=False, description="Rebuild a stale template library instead of failing."
     )

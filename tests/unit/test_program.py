@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
 import pulumi
@@ -148,11 +149,26 @@ def declared(result) -> dict:
     }
 
 
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+
+
 def test_second_run_with_previous_outputs_changes_nothing():
-    first = preview_stack("dev", REPO / "stacks")
-    second = preview_stack("dev", REPO / "stacks", previous=first.plan)
+    """A rerun changes nothing; once the new fleet has booted, only the gateway's
+    configuration changes (its upstreams go from starting to ready), then nothing again."""
+    stacks = REPO / "stacks"
+    first = preview_stack("dev", stacks, now=T0)
+    second = preview_stack("dev", stacks, previous_outputs=first.outputs, now=T0)
     assert declared(first) == declared(second)
     assert len(first.resources) == len(second.resources)
+    assert set(second.outputs["instances_by_state"]["starting"]) == {
+        i.key for i in first.plan.instances
+    }
+    booted = T0 + timedelta(hours=1)
+    third = preview_stack("dev", stacks, previous_outputs=second.outputs, now=booted)
+    changed = {k for k, v in declared(third).items() if declared(second)[k] != v}
+    assert changed == {("aws:ssm/parameter:Parameter", "gateway-config")}
+    fourth = preview_stack("dev", stacks, previous_outputs=third.outputs, now=booted)
+    assert declared(fourth) == declared(third)
 
 
 def test_demand_increase_only_adds_resources(tmp_path):

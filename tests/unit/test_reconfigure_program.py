@@ -1,0 +1,109 @@
+"""Safe reconfiguration through the Pulumi program (mocks), over consecutive runs.
+
+Demand goes up, down, and shifts between two models; runs are 30 minutes apart (boot time 20
+minutes). At every run, for every (model, phase): the serving capacity (ready + retiring) is at
+least the smaller of the served demand and the capacity before the run; an instance is deleted
+only after one run in `draining`; the gateway gives new requests to ready and retiring
+instances only.
+"""
+
+from __future__ import annotations
+
+import base64
+import gzip
+import re
+from datetime import UTC, datetime, timedelta
+
+import pytest
+import yaml
+
+from coral_iac import program
+from coral_iac.infra import slug
+from coral_iac.preview import preview_stack
+from solver.reconfigure import FleetState, served_demand
+from tests.conftest import REPO
+
+T0 = datetime(2026, 11, 1, tzinfo=UTC)
+GPT = {
+    "slo_ms": {"prefill": 900, "decode": 30},
+    "mean_prompt_tokens": 1500,
+    "mean_output_tokens": 13,
+    "workload": "Azure Code",
+}
+
+
+@pytest.fixture(autouse=True)
+def library_cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
+
+
+def stacks_for(tmp_path, phi: float, gpt: float):
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+    fleet = doc["config"]["coral:fleet"]
+    fleet["models"]["phi-4"]["demand"] = {"requests_per_s": phi}
+    fleet["models"]["gpt-oss-20b"] = GPT | {"demand": {"requests_per_s": gpt}}
+    fleet["allocation"] = {"budget_usd_per_hour": 100}
+    folder = tmp_path / "stacks"
+    folder.mkdir(exist_ok=True)
+    (folder / "Pulumi.dev.yaml").write_text(yaml.safe_dump(doc))
+    return folder
+
+
+def gateway_servers(result) -> dict[str, str]:
+    """HAProxy server name -> its line, from the configuration parameter the program set."""
+    (param,) = [
+        r for r in result.of_type("aws:ssm/parameter:Parameter") if r.name == "gateway-config"
+    ]
+    config = gzip.decompress(base64.b64decode(param.inputs["insecureValue"])).decode()
+    return {
+        m.group(1): line
+        for line in config.splitlines()
+        if (m := re.match(r"\s*server (\S+) ", line))
+    }
+
+
+def test_capacity_holds_over_up_down_and_shift(tmp_path):
+    # up (a bigger template replaces a smaller one: it retires while the new one boots),
+    # settle, down, settle, shift to the other model, settle, settled
+    steps = [(1.0, 1.0), (6.0, 1.0), (6.0, 1.0), (0.5, 1.0), (0.5, 1.0)]
+    steps += [(0.5, 10.0), (0.5, 10.0), (0.5, 10.0)]
+    outputs, before, previous = None, {}, None
+    seen = set()
+    for n, (phi, gpt) in enumerate(steps):
+        result = preview_stack(
+            "dev",
+            stacks_for(tmp_path, phi, gpt),
+            previous_outputs=outputs,
+            now=T0 + n * timedelta(minutes=30),
+        )
+        state = FleetState.model_validate_json(result.outputs["fleet_state"])
+        serving = state.capacity()
+        for job, demand in served_demand(result.plan).items():
+            assert serving.get(job, 0.0) >= min(demand, before.get(job, 0.0)) - 1e-9, (n, job)
+        # Every GPU node belongs to a declared member; a member disappears only after draining.
+        replicas = {
+            r.inputs["tags"]["coral:replica"]
+            for r in result.of_type("aws:ec2/instance:Instance")
+            if "coral:replica" in r.inputs.get("tags", {})
+        }
+        assert replicas == set(state.members)
+        if previous is not None:
+            for key in previous.members.keys() - state.members.keys():
+                assert previous.members[key].state == "draining", (n, key)
+        # The gateway: weight for serving instances, none for starting or draining ones.
+        servers = gateway_servers(result)
+        for key, m in state.members.items():
+            if m.instance.phase not in ("aggregated", "decode"):
+                continue
+            line = servers[slug(key)]
+            if m.state in ("ready", "retiring"):
+                assert " weight 0" not in line and "disabled" not in line, line
+            elif m.state == "draining":
+                assert " weight 0" in line, line
+            else:
+                assert "disabled" in line, line
+        seen |= {m.state for m in state.members.values()}
+        outputs, before, previous = result.outputs, serving, state
+    # The sequence exercised every state, and the last run settled.
+    assert seen == {"starting", "ready", "retiring", "draining"}
+    assert set(previous.by_state()["ready"]) == set(previous.members)
