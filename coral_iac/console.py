@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.text import Text
 
 from solver.errors import CoralError
 
@@ -33,7 +34,8 @@ def reports_errors(fn: F) -> F:
         try:
             return fn(*args, **kwargs)
         except CoralError as exc:
-            err.print(f"[bold red]Error:[/] {exc}", highlight=False, markup=True)
+            # The message is plain text: markup would eat brackets, e.g. `coral-iac[profile]`.
+            err.print(Text.assemble(("Error:", "bold red"), " ", str(exc)), highlight=False)
             raise typer.Exit(1) from None
 
     return wrapper  # type: ignore[return-value]

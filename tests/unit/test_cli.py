@@ -228,3 +228,9 @@ def test_templates_build_rejects_bad_options(tmp_path, monkeypatch, option, valu
     monkeypatch.chdir(Path(__file__).resolve().parents[2])
     r = run("templates", "build", "--stack", "paper-core", "--out", str(tmp_path), option, value)
     assert r.exit_code == 1 and option in r.output and value in r.output
+
+
+def test_error_messages_keep_brackets():
+    """Errors are plain text: Rich markup would swallow `[4]` (or `coral-iac[profile]`)."""
+    r = run("profile", "layer-time", "--model", "phi-[4]", "--node", "l4x1", "--phase", "decode")
+    assert r.exit_code == 1 and "phi-[4]" in r.output
