@@ -232,5 +232,5 @@ def test_templates_build_rejects_bad_options(tmp_path, monkeypatch, option, valu
 
 def test_error_messages_keep_brackets():
     """Errors are plain text: Rich markup would swallow `[4]` (or `coral-iac[profile]`)."""
-    r = run("profile", "layer-time", "--model", "phi-[4]", "--node", "l4x1", "--phase", "decode")
+    r = run("profile", "layer-time", "--model", "phi-[4]", "--node", "l4x1", "--phase", "decode", "--batch", "1")
     assert r.exit_code == 1 and "phi-[4]" in r.output
