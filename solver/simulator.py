@@ -260,13 +260,16 @@ def _chunked_prefill(
     """A batch of prompts streamed through the pipeline in chunks of at most `limit` tokens
     (vLLM's chunked prefill, with --max-num-batched-tokens = limit), starting at `start`.
     Returns each prompt's completion time (its last chunk out of the last stage) and when the
-    pipeline can take new work (the first stage is free again)."""
+    pipeline can take new work (the first stage is free again). The last chunk is timed at
+    its own size."""
     total = int(prompts.sum())
     chunk = min(total, limit)
+    n = math.ceil(total / chunk)
     latency, period = inst.prefill_ms(chunk)
-    chunks_to_end = np.ceil(np.cumsum(prompts) / chunk)
-    done = start + (latency + (chunks_to_end - 1) * period) / 1e3
-    return done, start + math.ceil(total / chunk) * period / 1e3
+    last_latency, last_period = inst.prefill_ms(total - (n - 1) * chunk)
+    k = np.ceil(np.cumsum(prompts) / chunk)  # the chunk each prompt ends in (1-based)
+    done_ms = np.where(k < n, latency + (k - 1) * period, (n - 1) * period + last_latency)
+    return start + done_ms / 1e3, start + ((n - 1) * period + last_period) / 1e3
 
 
 def _prefill_pass(
