@@ -30,7 +30,7 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BaseModel, ConfigDict, Field
 
 from coral_iac.bootstrap import TEMPLATES
-from coral_iac.infra import GatewayPeer, Infra, slug
+from coral_iac.infra import EC2_ASSUME_ROLE, GatewayPeer, Infra, slug
 from solver.errors import InputError
 from solver.plan import Instance, Plan, template_ref
 from solver.stack import FleetConfig, GatewaySettings
@@ -324,18 +324,7 @@ class Gateway(pulumi.ComponentResource):
         """A role that may read this stack's gateway parameter and nothing else."""
         role = aws.iam.Role(
             f"{name}-role",
-            assume_role_policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {
-                            "Effect": "Allow",
-                            "Action": "sts:AssumeRole",
-                            "Principal": {"Service": "ec2.amazonaws.com"},
-                        }
-                    ],
-                }
-            ),
+            assume_role_policy=EC2_ASSUME_ROLE,
             tags={"coral:stack": args.stack},
             opts=self._child,
         )

@@ -27,6 +27,20 @@ import pulumi_gcp as gcp
 from coral_iac.bootstrap import secret_name
 from solver.stack import DeploySettings
 
+# Trust policy of the roles EC2 instances run as (serving nodes, the gateway).
+EC2_ASSUME_ROLE = json.dumps(
+    {
+        "Version": "2012-10-17",
+        "Statement": [
+            {
+                "Effect": "Allow",
+                "Action": "sts:AssumeRole",
+                "Principal": {"Service": "ec2.amazonaws.com"},
+            }
+        ],
+    }
+)
+
 
 def slug(text: str) -> str:
     """A logical-name-safe, stable form of a key (replica keys contain / : * +)."""
@@ -127,18 +141,7 @@ class Infra:
         opts = pulumi.ResourceOptions(provider=provider)
         role = aws.iam.Role(
             "node-role",
-            assume_role_policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {
-                            "Effect": "Allow",
-                            "Action": "sts:AssumeRole",
-                            "Principal": {"Service": "ec2.amazonaws.com"},
-                        }
-                    ],
-                }
-            ),
+            assume_role_policy=EC2_ASSUME_ROLE,
             tags={"coral:stack": self.stack},
             opts=opts,
         )

@@ -336,14 +336,31 @@ def _decode_pass(
             k = min(k, max(1, math.ceil((ready[nxt] - t) / round_s)))
         new = np.isinf(first[run_idx])
         first[run_idx[new]] = t + round_s
-        t += k * round_s
-        run_left -= k
-        done = run_left == 0
-        if done.any():
-            finish[run_idx[done]] = t
-            kv_used -= int(context[run_idx[done]].sum())
-            run_idx, run_left = run_idx[~done], run_left[~done]
+        t, run_idx, run_left, kv_used = _rounds(
+            t, k, round_s, run_idx, run_left, finish, context, kv_used
+        )
     return first, finish, peak
+
+
+def _rounds(
+    t: float,
+    k: int,
+    round_s: float,
+    run_idx: np.ndarray,
+    run_left: np.ndarray,
+    finish: np.ndarray,
+    context: np.ndarray,
+    kv_used: int,
+) -> tuple[float, np.ndarray, np.ndarray, int]:
+    """Run k decode rounds: sequences that finish leave (finish time set, KV freed)."""
+    t += k * round_s
+    run_left = run_left - k
+    done = run_left == 0
+    if done.any():
+        finish[run_idx[done]] = t
+        kv_used -= int(context[run_idx[done]].sum())
+        run_idx, run_left = run_idx[~done], run_left[~done]
+    return t, run_idx, run_left, kv_used
 
 
 def _aggregated_pass(
@@ -415,13 +432,9 @@ def _aggregated_pass(
             k = min(k, max(1, math.ceil((arrival[nxt] - t) / round_s)))
         if len(pend_idx):  # or when a prefill comes out of the pipeline
             k = min(k, max(1, math.ceil((first[pend_idx].min() - t) / round_s)))
-        t += k * round_s
-        run_left -= k
-        done = run_left == 0
-        if done.any():
-            finish[run_idx[done]] = t
-            kv_used -= int(context[run_idx[done]].sum())
-            run_idx, run_left = run_idx[~done], run_left[~done]
+        t, run_idx, run_left, kv_used = _rounds(
+            t, k, round_s, run_idx, run_left, finish, context, kv_used
+        )
     return first, finish, peak
 
 

@@ -38,6 +38,12 @@ class FixedInstance:
         return tokens * 0.1, tokens * 0.05  # (latency, period)
 
 
+# (arrival or ready time s, prompt or context tokens, output tokens), a KV capacity, a running cap
+REQUESTS = st.lists(
+    st.tuples(st.floats(0, 5), st.integers(1, 400), st.integers(1, 50)), min_size=1, max_size=60
+)
+
+
 def test_three_requests_by_hand():
     """Prefill: A (t=0, 100 tok) starts alone: done 10 ms, next batch may start at 5 ms.
     B (t=1 ms, 200) and C (t=2 ms, 100) wait and batch together at 5 ms: 300 tok, done 35 ms.
@@ -59,13 +65,7 @@ def test_three_requests_by_hand():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(
-    st.lists(
-        st.tuples(st.floats(0, 5), st.integers(1, 400), st.integers(1, 50)), min_size=1, max_size=60
-    ),
-    st.integers(300, 3000),
-    st.integers(1, 64),
-)
+@given(REQUESTS, st.integers(300, 3000), st.integers(1, 64))
 def test_decode_invariants(reqs, capacity, max_running):
     """Time never goes back, each request finishes once, KV never exceeds the capacity."""
     inst = FixedInstance(kv_capacity=capacity, max_running=max_running)
@@ -101,13 +101,7 @@ def test_aggregated_prefill_stalls_decode_by_hand():
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(
-    st.lists(
-        st.tuples(st.floats(0, 5), st.integers(1, 400), st.integers(1, 50)), min_size=1, max_size=60
-    ),
-    st.integers(300, 3000),
-    st.integers(1, 64),
-)
+@given(REQUESTS, st.integers(300, 3000), st.integers(1, 64))
 def test_aggregated_invariants(reqs, capacity, max_running):
     """Every request that fits gets its first token after arrival and finishes once, after it;
     KV never exceeds the capacity; output tokens after the first take at least a round each."""
