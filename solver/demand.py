@@ -127,7 +127,9 @@ def file_demand(fleet: FleetConfig, doc: DemandFile, path: str) -> DemandReport:
     models, warnings = [], []
     for m, spec in sorted(fleet.models.items()):
         if m in doc.demand:
-            models.append(ModelDemand(model=m, demand=doc.demand[m], origin="file", detail=path))
+            # In the model's own units (an aggregated model's tokens/s become requests/s).
+            demand = _as_demand(spec, phase_figures(spec, doc.demand[m]))
+            models.append(ModelDemand(model=m, demand=demand, origin="file", detail=path))
             continue
         figure = _config_figure(m, spec, f"{path} has no entry for it")
         warnings.append(f"{path} has no demand for {m}: using its config demand")

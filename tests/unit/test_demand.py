@@ -317,3 +317,20 @@ def test_cli_show_json_and_refresh_of_a_config_stack(monkeypatch):
     assert r.exit_code == 0 and "nothing to refresh" in r.output
     r = runner.invoke(app, ["demand", "show", "--stack", "stagin"])
     assert r.exit_code == 1 and "staging" in r.output
+
+
+def test_demand_file_tokens_for_an_aggregated_model_become_requests_per_s():
+    """The planner needs requests/s for an aggregated model, whatever unit the file used."""
+    from solver.planner import stack_demand
+    from solver.stack import PhaseTokens
+
+    fleet = fleet_with()
+    spec = fleet.models["qwen3-32b"].model_copy(update={"serving": "aggregated"})
+    fleet = fleet.model_copy(update={"models": {"qwen3-32b": spec}})
+    doc = DemandFile(
+        source="test",
+        demand={"qwen3-32b": Demand(tokens_per_s=PhaseTokens(prefill=600, decode=500))},
+    )
+    report = file_demand(fleet, doc, "d.yaml")
+    assert report.models[0].demand == Demand(requests_per_s=2)
+    assert stack_demand(report.apply(fleet)) == {("qwen3-32b", "aggregated"): 2}
