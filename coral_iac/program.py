@@ -144,17 +144,20 @@ def declare(
     perf: PerfModel,
     stack: str,
     states: dict[str, str] | None = None,
+    peers: dict[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
     the gateway's outputs (none when `deploy.gateway.enabled` is false).
 
     `states` (instance key -> starting, ready, retiring or draining) sets what the gateway
-    sends each instance: new requests to ready and retiring ones only."""
+    sends each instance: no new requests to draining ones. `peers` (decode instance key ->
+    prefill instance keys) sets whom each decode router sends prompts to; by default every
+    prefill instance of its model in its region."""
     infra = Infra(stack, fleet.deploy)
     deploy = fleet.deploy
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
-    prefill_heads: dict[tuple[str, str], list[pulumi.Output[str]]] = {}
+    prefill_heads: dict[str, pulumi.Output[str]] = {}  # prefill instance key -> head IP
     batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
@@ -202,7 +205,9 @@ def declare(
         )
         offers = [_offer(perf, inst, n) for n in template.nodes]
         router_ips = (
-            prefill_heads.get((inst.model, inst.region)) if inst.phase == "decode" else None
+            [prefill_heads[k] for k in (peers or {}).get(inst.key) or _prefills(plan, inst)]
+            if inst.phase == "decode"
+            else None
         )
         component = ServingInstance(
             slug(inst.key),
@@ -223,9 +228,7 @@ def declare(
             ),
         )
         if inst.phase == "prefill":
-            prefill_heads.setdefault((inst.model, inst.region), []).append(
-                component.head_private_ip
-            )
+            prefill_heads[inst.key] = component.head_private_ip
         if public:
             endpoints.setdefault(inst.model, []).append(
                 component.head_public_ip.apply(lambda ip: f"http://{ip}:{deploy.api_port}/v1")
@@ -244,11 +247,23 @@ def declare(
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
 
 
+def _prefills(plan: Plan, inst: Instance) -> list[str]:
+    return [
+        i.key
+        for i in plan.instances
+        if i.phase == "prefill" and (i.model, i.region) == (inst.model, inst.region)
+    ]
+
+
 def _gateway_states(plan: Plan, states: dict[str, str]) -> dict[str, str]:
-    """The gateway's view of its upstreams (aggregated and decode instances): a retiring one
-    still takes new requests, like a ready one."""
+    """The gateway's view of its upstreams (aggregated and decode instances). A retiring one
+    still takes new requests, like a ready one. So does a starting one: HAProxy's `/health`
+    checks keep requests off it until vLLM is up, so new capacity serves as soon as it has
+    booted rather than at the next run (the state machine still does not count it)."""
     fronted = {i.key for i in plan.instances if i.phase in ("aggregated", "decode")}
-    return {k: "ready" if v == "retiring" else v for k, v in states.items() if k in fronted}
+    return {
+        k: "draining" if v == "draining" else "ready" for k, v in states.items() if k in fronted
+    }
 
 
 def _gateway(fleet: FleetConfig, stack: str, infra: Infra) -> Gateway | None:
@@ -284,6 +299,19 @@ def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
         f"{inst.key}: no instance type sells {node} in {inst.cloud}:{inst.region} (a price "
         "override without a catalog offer cannot be deployed); add the offer to the catalog"
     )
+
+
+def _without_removed_models(state: FleetState, fleet: FleetConfig) -> FleetState:
+    """Instances of a model the stack no longer serves are deleted now: it has no demand, so
+    no capacity to keep (and its settings are gone)."""
+    gone = sorted({m.instance.model for m in state.members.values()} - set(fleet.models))
+    if not gone:
+        return state
+    pulumi.log.warn(
+        f"{', '.join(gone)} left coral:fleet.models: their instances are deleted in this run"
+    )
+    kept = {k: m for k, m in state.members.items() if m.instance.model in fleet.models}
+    return state.model_copy(update={"members": kept})
 
 
 def cost_diff_table(previous: Plan | None, plan: Plan, state: FleetState | None = None) -> str:
@@ -335,7 +363,11 @@ def run() -> None:
     check_deployable(plan, fleet)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
-    state = transition(previous_state, plan, clock(), fleet.deploy.boot_minutes * 60)
+    deploy = fleet.deploy
+    state = transition(
+        previous_state, plan, clock(), deploy.boot_minutes * 60, deploy.drain_minutes * 60
+    )
+    state = _without_removed_models(state, fleet)
     pulumi.log.info(cost_diff_table(previous, plan, state))
     if plan.served_fraction < 1:
         pulumi.log.warn(
@@ -343,7 +375,8 @@ def run() -> None:
             + " ".join(f"Limited by: {line}." for line in plan.binding)
         )
     states = {key: m.state for key, m in state.members.items()}
-    endpoints, gateway = declare(declared_plan(plan, state), fleet, perf, stack, states)
+    peers = {key: m.peers for key, m in state.members.items() if m.peers}
+    endpoints, gateway = declare(declared_plan(plan, state), fleet, perf, stack, states, peers)
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:
         where = by_region.setdefault(f"{i.cloud}:{i.region}", {})

@@ -11,7 +11,13 @@ in one of four states:
 | `starting` | yes | no (booting) | `ready` once `boot_s` has passed since it was declared |
 | `ready` | yes | yes | stays `ready` |
 | `retiring` | no | yes: its (model, phase) needs it until `starting` ones are ready | `retiring` or `draining` |
-| `draining` | no | no: in-flight requests finish | deleted (its node's stop step drains first) |
+| `draining` | no | no: in-flight requests finish | deleted once `drain_s` has passed since it began draining (its node's stop step drains first) |
+
+A decode instance of a disaggregated model starts its vllm-router with its prefill peers'
+addresses, which are part of its boot configuration. So when its region's prefill instances
+change, it is a new node: its member id is the instance key plus a digest of the peers, the new
+one starts, and the old one leaves like any other instance. A prefill instance leaving the plan
+stays `retiring` while a serving decode router still sends to it.
 
 An instance leaving the plan becomes `retiring` only while the plan's `ready` capacity of its
 (model, phase) is below the demand the plan serves; the largest leaving instances are kept
@@ -35,6 +41,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from solver.io import digest
 from solver.plan import Instance, Plan, template_ref
 from solver.template import ServingTemplate
 
@@ -46,19 +53,27 @@ Job = tuple[str, str]
 
 class Member(BaseModel):
     """One declared instance: what it is, its template (to declare it unchanged while it
-    leaves), its state, and when it was first declared (UTC)."""
+    leaves), its state, when it was first declared and when it entered its state (UTC), and,
+    for a decode instance, the prefill instances its router sends prompts to."""
 
     model_config = FROZEN
     instance: Instance
     template: ServingTemplate
     state: State
     declared_at: datetime = Field(description="First run that declared it (UTC).")
+    since: datetime = Field(description="When it entered its current state (UTC).")
+    peers: list[str] = Field(
+        default_factory=list, description="Decode: prefill instance keys its router uses."
+    )
 
 
 class FleetState(BaseModel):
     model_config = FROZEN
     format: Literal[1] = 1
-    members: dict[str, Member] = Field(description="Instance key -> member, keys sorted.")
+    members: dict[str, Member] = Field(
+        description="Member id (the instance key, plus ~<peers digest> for a decode instance "
+        "of a disaggregated model) -> member, sorted."
+    )
 
     def capacity(self, states: frozenset[str] = SERVING) -> dict[Job, float]:
         """(model, phase) -> throughput of the members in `states` (default: serving)."""
@@ -85,36 +100,75 @@ def served_demand(plan: Plan) -> dict[Job, float]:
     return {(j.model, j.phase): j.demand * plan.served_fraction for j in plan.jobs}
 
 
+def router_peers(plan: Plan, inst: Instance) -> list[str]:
+    """A decode instance's prefill peers: the plan's prefill instances of its model in its
+    region (its vllm-router is started with their addresses). Empty for other phases."""
+    if inst.phase != "decode":
+        return []
+    return sorted(
+        i.key
+        for i in plan.instances
+        if i.phase == "prefill"
+        and (i.model, i.cloud, i.region) == (inst.model, inst.cloud, inst.region)
+    )
+
+
+def member_id(key: str, peers: list[str]) -> str:
+    """A decode instance with other prefill peers is another node (its router's list is in its
+    boot configuration), so it gets another id and replaces the old one safely."""
+    return f"{key}~{digest(peers)[:8]}" if peers else key
+
+
 def transition(
-    previous: FleetState | None, plan: Plan, now: datetime, boot_s: float
+    previous: FleetState | None, plan: Plan, now: datetime, boot_s: float, drain_s: float = 0
 ) -> FleetState:
     """The members a run declares for `plan`, given the previous run's state (see module doc)."""
     before = previous.members if previous is not None else {}
     members: dict[str, Member] = {}
     for inst in plan.instances:
-        old = before.get(inst.key)
+        peers = router_peers(plan, inst)
+        mid = member_id(inst.key, peers)
+        old = before.get(mid)
         declared = old.declared_at if old is not None else now
         booted = old is not None and (now - declared).total_seconds() >= boot_s
-        members[inst.key] = Member(
-            instance=inst,
+        state: State = (
+            "ready" if booted or (old is not None and old.state in SERVING) else "starting"
+        )
+        members[mid] = Member(
+            instance=inst.model_copy(update={"key": mid}),
             template=plan.templates[template_ref(inst.model, inst.phase, inst.template)],
-            state="ready" if booted or (old is not None and old.state in SERVING) else "starting",
+            state=state,
             declared_at=declared,
+            since=old.since if old is not None and old.state == state else now,
+            peers=peers,
         )
     ready = FleetState(members=members).capacity(frozenset({"ready"}))
     demand = served_demand(plan)
     leaving = sorted(
-        (m for key, m in before.items() if key not in members and m.state != "draining"),
+        (m for key, m in before.items() if key not in members),
         key=lambda m: (-m.instance.throughput, m.instance.key),
     )
     kept = dict(ready)
     for m in leaving:
+        if m.state == "draining":
+            if (now - m.since).total_seconds() < drain_s:
+                members[m.instance.key] = m  # still finishing what it has in flight
+            continue  # drained: deleted
         job = (m.instance.model, m.instance.phase)
         needed = kept.get(job, 0.0) < demand.get(job, 0.0)
         # A leaving instance that never finished booting carries no traffic: nothing to keep.
         serving = m.state in SERVING or (now - m.declared_at).total_seconds() >= boot_s
-        state: State = "retiring" if needed and serving else "draining"
+        state = "retiring" if needed and serving else "draining"
         if state == "retiring":
             kept[job] = kept.get(job, 0.0) + m.instance.throughput
-        members[m.instance.key] = m.model_copy(update={"state": state})
+        members[m.instance.key] = _enter(m, state, now)
+    # A prefill instance stays serving while a serving decode router still sends to it.
+    used = {p for m in members.values() if m.state in SERVING for p in m.peers}
+    for key, m in list(members.items()):
+        if m.instance.phase == "prefill" and m.state == "draining" and key in used:
+            members[key] = _enter(m, "retiring", now)
     return FleetState(members=dict(sorted(members.items())))
+
+
+def _enter(m: Member, state: State, now: datetime) -> Member:
+    return m if m.state == state else m.model_copy(update={"state": state, "since": now})

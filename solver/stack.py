@@ -239,6 +239,13 @@ class DeploySettings(BaseModel):
         "counts it ready only this long after it was first declared; until then the instances "
         "it replaces keep serving (docs/deploy.md, safe reconfiguration).",
     )
+    drain_minutes: float = Field(
+        default=5,
+        ge=0,
+        description="How long an instance leaving the plan gets no new requests before it is "
+        "deleted (at the first run after this); its node's stop step then waits for what is "
+        "still in flight.",
+    )
     rebuild_library: bool = Field(
         default=False, description="Rebuild a stale template library instead of failing."
     )

@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.planner import plan_stack
-from solver.reconfigure import FleetState, served_demand, transition
+from solver.reconfigure import FleetState, member_id, router_peers, served_demand, transition
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 START = datetime(2026, 11, 1, tzinfo=UTC)
@@ -41,6 +41,11 @@ def run(steps: list[tuple[dict[str, float], timedelta]]):
     return out
 
 
+def ids(plan) -> set[str]:
+    """The member ids of a plan's instances."""
+    return {member_id(i.key, router_peers(plan, i)) for i in plan.instances}
+
+
 def check(history: list[tuple[object, FleetState]]) -> None:
     before: dict[tuple[str, str], float] = {}
     previous: FleetState | None = None
@@ -49,7 +54,7 @@ def check(history: list[tuple[object, FleetState]]) -> None:
         for job, demand in served_demand(plan).items():  # type: ignore[arg-type]
             floor = min(demand, before.get(job, 0.0))
             assert serving.get(job, 0.0) >= floor - 1e-9, (job, serving, demand, before)
-        keys = {i.key for i in plan.instances}  # type: ignore[attr-defined]
+        keys = ids(plan)
         for key, m in state.members.items():
             assert (key in keys) == (m.state in ("starting", "ready"))
             if previous is not None and key in previous.members:
@@ -94,7 +99,7 @@ def test_up_down_and_shift_between_models():
     assert not states[2]["starting"]
     assert states[3]["draining"] and not states[3]["starting"]  # scale-down: no boot wait
     assert not states[4]["draining"] and not states[4]["retiring"]
-    assert history[4][1].members.keys() == {i.key for i in history[4][0].instances}
+    assert history[4][1].members.keys() == ids(history[4][0])
 
 
 def test_a_replacement_keeps_the_old_instance_serving_until_it_has_booted():
@@ -116,10 +121,62 @@ def test_a_replacement_keeps_the_old_instance_serving_until_it_has_booted():
     state2 = transition(state, swapped, later, BOOT.total_seconds())
     by = state2.by_state()
     assert len(by["starting"]) == len(first.instances)
-    assert set(by["retiring"]) == {i.key for i in first.instances}
+    assert set(by["retiring"]) == ids(first)
     assert state2.capacity() == pytest.approx(state.capacity())
     state3 = transition(state2, swapped, later + BOOT, BOOT.total_seconds())
-    assert set(state3.by_state()["draining"]) == {i.key for i in first.instances}
+    assert set(state3.by_state()["draining"]) == ids(first)
     state4 = transition(state3, swapped, later + 2 * BOOT, BOOT.total_seconds())
-    assert set(state4.members) == {i.key for i in swapped.instances}
+    assert set(state4.members) == ids(swapped)
     assert state4.hourly_cost_usd() == pytest.approx(swapped.hourly_cost_usd)
+
+
+def test_new_prefill_peers_make_a_new_decode_node_and_keep_the_old_pair_serving():
+    """Adding a prefill instance changes the decode routers' peer lists: each decode instance
+    becomes a new node (starting) while the old one, and the prefill instances it sends to,
+    keep serving; a draining instance is deleted only after `drain_s`."""
+    first = plan_for({"phi-4": 1.0, "gpt-oss-20b": 1.0})
+    state = transition(None, first, START, BOOT.total_seconds())
+    state = transition(state, first, START + timedelta(hours=1), BOOT.total_seconds())
+    prefill = next(i for i in first.instances if i.phase == "prefill")
+    extra = prefill.model_copy(update={"key": prefill.key + "-extra", "index": 99})
+    bigger = first.model_copy(update={"instances": [*first.instances, extra]})
+    t = START + timedelta(hours=2)
+    state2 = transition(state, bigger, t, BOOT.total_seconds(), drain_s=600)
+    by = state2.by_state()
+    decode_of_model = [
+        k
+        for k, m in state.members.items()
+        if m.instance.phase == "decode"
+        and m.instance.model == prefill.model
+        and m.instance.region == prefill.region
+    ]
+    assert decode_of_model and set(decode_of_model) <= set(by["retiring"])
+    assert extra.key in by["starting"]
+    assert sum(1 for k in by["starting"] if "~" in k) == len(decode_of_model)
+    assert state2.capacity() == pytest.approx(state.capacity())
+    # Booted: the old decode nodes drain; not deleted before drain_s has passed.
+    state3 = transition(state2, bigger, t + BOOT, BOOT.total_seconds(), drain_s=600)
+    assert set(decode_of_model) <= set(state3.by_state()["draining"])
+    state4 = transition(
+        state3, bigger, t + BOOT + timedelta(seconds=300), BOOT.total_seconds(), drain_s=600
+    )
+    assert set(decode_of_model) <= set(state4.by_state()["draining"])
+    state5 = transition(
+        state4, bigger, t + BOOT + timedelta(seconds=600), BOOT.total_seconds(), drain_s=600
+    )
+    assert not set(decode_of_model) & set(state5.members)
+    assert set(state5.members) == ids(bigger)
+
+
+def test_a_leaving_prefill_instance_serves_while_an_old_router_still_uses_it():
+    first = plan_for({"phi-4": 1.0, "gpt-oss-20b": 1.0})
+    prefill = next(i for i in first.instances if i.phase == "prefill")
+    extra = prefill.model_copy(update={"key": prefill.key + "-extra", "index": 99})
+    two = first.model_copy(update={"instances": [*first.instances, extra]})
+    state = transition(None, two, START, BOOT.total_seconds())
+    state = transition(state, two, START + timedelta(hours=1), BOOT.total_seconds())
+    state2 = transition(state, first, START + timedelta(hours=2), BOOT.total_seconds())
+    # The old decode routers retire while their replacements boot, and still use `extra`.
+    assert state2.members[extra.key].state == "retiring"
+    state3 = transition(state2, first, START + timedelta(hours=3), BOOT.total_seconds())
+    assert state3.members[extra.key].state == "draining"  # no serving router uses it now

@@ -67,7 +67,7 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path):
     # settle, down, settle, shift to the other model, settle, settled
     steps = [(1.0, 1.0), (6.0, 1.0), (6.0, 1.0), (0.5, 1.0), (0.5, 1.0)]
     steps += [(0.5, 10.0), (0.5, 10.0), (0.5, 10.0)]
-    outputs, before, previous = None, {}, None
+    outputs, before, previous, previous_nodes = None, {}, None, {}
     seen = set()
     for n, (phi, gpt) in enumerate(steps):
         result = preview_stack(
@@ -90,20 +90,42 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path):
         if previous is not None:
             for key in previous.members.keys() - state.members.keys():
                 assert previous.members[key].state == "draining", (n, key)
-        # The gateway: weight for serving instances, none for starting or draining ones.
+        # The gateway: no new requests to draining instances; the others by weight (a starting
+        # one once its health checks pass).
         servers = gateway_servers(result)
         for key, m in state.members.items():
             if m.instance.phase not in ("aggregated", "decode"):
                 continue
             line = servers[slug(key)]
-            if m.state in ("ready", "retiring"):
-                assert " weight 0" not in line and "disabled" not in line, line
-            elif m.state == "draining":
-                assert " weight 0" in line, line
-            else:
-                assert "disabled" in line, line
+            assert "disabled" not in line, line
+            assert (" weight 0" in line) == (m.state == "draining"), line
+        # A node that keeps serving is never replaced: its boot configuration is unchanged.
+        nodes = {
+            r.name: r.inputs["userData"]
+            for r in result.of_type("aws:ec2/instance:Instance")
+            if "coral:replica" in r.inputs.get("tags", {})
+        }
+        for key in state.members:
+            if previous is not None and key in previous.members:
+                for name, data in nodes.items():
+                    if name.rsplit(".n", 1)[0] == slug(key):  # its nodes: <id>.n<index>
+                        assert previous_nodes[name] == data, (n, name)
         seen |= {m.state for m in state.members.values()}
-        outputs, before, previous = result.outputs, serving, state
+        outputs, before, previous, previous_nodes = result.outputs, serving, state, nodes
     # The sequence exercised every state, and the last run settled.
     assert seen == {"starting", "ready", "retiring", "draining"}
     assert set(previous.by_state()["ready"]) == set(previous.members)
+
+
+def test_a_model_removed_from_the_stack_is_deleted_not_a_crash(tmp_path):
+    first = preview_stack("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+    folder = tmp_path / "only-phi"
+    folder.mkdir()
+    (folder / "Pulumi.dev.yaml").write_text(yaml.safe_dump(doc))
+    later = preview_stack(
+        "dev", folder, previous_outputs=first.outputs, now=T0 + timedelta(hours=1)
+    )
+    state = FleetState.model_validate_json(later.outputs["fleet_state"])
+    assert {m.instance.model for m in state.members.values()} == {"phi-4"}
+    assert not any("gpt-oss-20b" in r.name for r in later.of_type("aws:ec2/instance:Instance"))
