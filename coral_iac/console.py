@@ -41,6 +41,11 @@ def reports_errors(fn: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+def warn(line: str) -> None:
+    """A warning on stderr, as plain text (markup would eat brackets in it)."""
+    err.print(Text.assemble(("Warning:", "yellow"), " ", line), highlight=False)
+
+
 def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 

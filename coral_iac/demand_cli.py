@@ -7,7 +7,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.console import STACKS_DIR, err, out, print_json, reports_errors, warn
 
 demand_app = typer.Typer(
     help="Demand per model: from the stack config, its demand file, or Prometheus.",
@@ -75,7 +75,7 @@ def show(
         )
     out.print(table)
     for line in report.warnings:
-        err.print(f"[yellow]Warning:[/] {line}", highlight=False)
+        warn(line)
 
 
 @demand_app.command("refresh")
@@ -109,7 +109,7 @@ def refresh(
     doc, header, report = refresh_file(fleet, stack, prometheus)
     text = demand_file_text(doc, header)
     for line in report.warnings:
-        err.print(f"[yellow]Warning:[/] {line}", highlight=False)
+        warn(line)
     if not write:
         sys.stdout.write(text)
         return

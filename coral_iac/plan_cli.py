@@ -8,7 +8,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.console import STACKS_DIR, err, out, print_json, progress_bar, reports_errors
+from coral_iac.console import (
+    STACKS_DIR,
+    err,
+    out,
+    print_json,
+    progress_bar,
+    reports_errors,
+    warn,
+)
 
 plan_app = typer.Typer(
     help="Plan a stack: the cheapest template instances per region that meet demand.",
@@ -78,7 +86,7 @@ def make_plan(
         load_stack(STACKS_DIR, stack),
         stack,
         STACKS_DIR,
-        warn=lambda line: err.print(f"[yellow]warning:[/] {line}"),
+        warn=warn,
     )
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
