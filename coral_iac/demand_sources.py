@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -130,9 +131,7 @@ def demand_report(
     if source.kind == "file":
         return file_demand(fleet, load_demand_file(path), str(path))
     assert source.prometheus is not None  # the schema requires it for kind prometheus
-    settings = source.prometheus
-    if prometheus_url is not None:
-        settings = settings.model_copy(update={"url": prometheus_url})
+    settings = _with_url(source.prometheus, prometheus_url)
     try:
         return rates_demand(fleet, measure_rates(settings, client), settings)
     except PrometheusUnreachable as e:
@@ -144,6 +143,17 @@ def demand_report(
             update={"kind": "prometheus", "warnings": [warning, *report.warnings]}
         )
         return with_floors(fleet, report, settings)
+
+
+URL_ENV = "CORAL_PROMETHEUS_URL"
+
+
+def _with_url(settings: PrometheusSource, url: str | None) -> PrometheusSource:
+    """The settings with another Prometheus URL: `url` (e.g. --prometheus), else the
+    CORAL_PROMETHEUS_URL environment variable (one override for the CLI and the program, e.g.
+    from a CI runner inside the fleet's network), else the stack's."""
+    url = url or os.environ.get(URL_ENV)
+    return settings if not url else settings.model_copy(update={"url": url})
 
 
 def resolve_demand(
@@ -187,8 +197,7 @@ def refresh_file(
             f"stack {stack} has demand source '{fleet.demand_source.kind}', not prometheus",
             "only a prometheus source is refreshed; edit a file source by hand",
         )
-    if prometheus_url is not None:
-        settings = settings.model_copy(update={"url": prometheus_url})
+    settings = _with_url(settings, prometheus_url)
     rates = measure_rates(settings, client)
     report = rates_demand(fleet, rates, settings)
     when = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).replace(microsecond=0)
