@@ -3,6 +3,7 @@ Markdown report and PNG plots (cost by model and method, goodput, solve time).""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -135,9 +136,12 @@ def bench(
         "![solve time](solve_time.png)",
     ]
     (out_dir / "report.md").write_text("\n".join(md) + "\n", encoding="utf-8")
+    (out_dir / "results.json").write_text(
+        json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8"
+    )
     _plots(plt, rows, out_dir)
     out.print(table)
-    err.print(f"Wrote {out_dir / 'report.md'} and 3 plots")
+    err.print(f"Wrote {out_dir / 'report.md'}, results.json and 3 plots")
 
 
 def headline(rows: list[dict[str, Any]]) -> list[str]:
@@ -166,33 +170,57 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _plots(plt: Any, rows: list[dict[str, Any]], out_dir: Path) -> None:
-    labels = [f"{r['stack']}\n{r['mode']}/{r['method']}" for r in rows]
-    fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-    bottom = [0.0] * len(rows)
+    """One panel per stack, one bar per (mode, method): cost stacked by model, goodput, solve
+    time (log scale)."""
+    stacks = list(dict.fromkeys(r["stack"] for r in rows))
     models = sorted({m for r in rows for m in r["cost_by_model"]})
-    for m in models:
-        vals = [r["cost_by_model"].get(m, 0.0) for r in rows]
-        ax.bar(labels, vals, bottom=bottom, label=m)
-        bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
-    ax.set_ylabel("$/hour")
-    ax.set_title("Cost by model and method")
-    ax.legend(fontsize=7)
-    ax.tick_params(axis="x", labelsize=6)
-    fig.tight_layout()
-    fig.savefig(out_dir / "cost_by_model.png", dpi=120)
-    plt.close(fig)
-    for key, ylabel, fname, title in (
-        ("goodput", "goodput tokens/s", "goodput.png", "Simulated goodput (SLO-meeting tokens/s)"),
-        ("solve_s", "seconds", "solve_time.png", "Allocation solve time"),
-    ):
-        fig, ax = plt.subplots(figsize=(max(6, len(rows) * 0.9), 4))
-        ax.bar(labels, [r[key] or 0.0 for r in rows])
-        ax.set_ylabel(ylabel)
-        ax.set_title(title)
-        ax.tick_params(axis="x", labelsize=6)
+    colors = {m: plt.get_cmap("tab10")(i % 10) for i, m in enumerate(models)}
+
+    def panels(title: str) -> tuple[Any, list[Any]]:
+        cols = min(3, len(stacks))
+        nrows = -(-len(stacks) // cols)
+        fig, axes = plt.subplots(nrows, cols, figsize=(4.2 * cols, 3.2 * nrows), squeeze=False)
+        for ax in axes.flat[len(stacks) :]:
+            ax.set_visible(False)
+        fig.suptitle(title)
+        return fig, list(axes.flat)
+
+    def finish(fig: Any, name: str) -> None:
         fig.tight_layout()
-        fig.savefig(out_dir / fname, dpi=120)
+        fig.savefig(out_dir / name, dpi=120)
         plt.close(fig)
+
+    fig, axes = panels("Cost by model and method ($/hour)")
+    for ax, stack in zip(axes, stacks, strict=False):
+        mine = [r for r in rows if r["stack"] == stack]
+        labels = [f"{r['mode']}\n{r['method']}" for r in mine]
+        bottom = [0.0] * len(mine)
+        for m in models:
+            vals = [r["cost_by_model"].get(m, 0.0) for r in mine]
+            ax.bar(labels, vals, bottom=bottom, label=m, color=colors[m])
+            bottom = [b + v for b, v in zip(bottom, vals, strict=True)]
+        ax.set_title(stack, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+    axes[0].legend(fontsize=6)
+    finish(fig, "cost_by_model.png")
+    for key, fname, title, log in (
+        ("goodput", "goodput.png", "Simulated goodput (SLO-meeting output tokens/s)", False),
+        ("solve_s", "solve_time.png", "Allocation solve time (s, log)", True),
+    ):
+        fig, axes = panels(title)
+        for ax, stack in zip(axes, stacks, strict=False):
+            mine = [r for r in rows if r["stack"] == stack]
+            values = [max(r[key] or 0.0, 1e-3) if log else r[key] or 0.0 for r in mine]
+            ax.bar(
+                [f"{r['mode']}\n{r['method']}" for r in mine],
+                values,
+                color=[{"coral": "C0", "homo": "C1", "cauchy": "C2"}[r["method"]] for r in mine],
+            )
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(stack, fontsize=9)
+            ax.tick_params(axis="x", labelsize=7)
+        finish(fig, fname)
 
 
 def register(app: typer.Typer) -> None:

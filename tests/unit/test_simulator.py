@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -175,8 +176,6 @@ def test_a_plan_simulated_below_capacity_meets_its_slos():
 
 
 def test_cli_simulate_json(tmp_path, monkeypatch):
-    import json
-
     from typer.testing import CliRunner
 
     from coral_iac.cli import app
@@ -247,6 +246,11 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
         assert report.count(f"| dev | vllm | {method} |") == 1
     headline = report.split("## Headline ratios")[1]
     assert headline.count("| dev | vllm |") == 1
+    assert {r["method"] for r in json.loads((out / "results.json").read_text())} == {
+        "coral",
+        "homo",
+        "cauchy",
+    }
     for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
