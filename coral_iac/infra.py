@@ -82,8 +82,14 @@ class Identity:
 class Infra:
     """Creates shared resources on first use, so unused regions and clouds cost nothing."""
 
-    def __init__(self, stack: str, deploy: DeploySettings) -> None:
+    def __init__(
+        self, stack: str, deploy: DeploySettings, order: list[tuple[str, str]] | None = None
+    ) -> None:
+        """`order`: the stack's (cloud, region) list, coral:fleet.regions. A region's network
+        CIDR comes from its place there, so plans using more or fewer regions never renumber
+        (and replace) another region's network; add regions at the end."""
         self.stack, self.deploy = stack, deploy
+        self.order = list(order or [])
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
         self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
@@ -92,7 +98,8 @@ class Infra:
     def region(self, cloud: str, region: str) -> Region:
         key = (cloud, region)
         if key not in self.regions:
-            index = len(self.regions)  # distinct CIDRs per region, in plan order
+            # distinct CIDRs per region; a region outside the list (the gateway's) gets 10.255
+            index = self.order.index(key) if key in self.order else 255
             self.regions[key] = (
                 self._aws(region, index) if cloud == "aws" else self._gcp(region, index)
             )

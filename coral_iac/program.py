@@ -153,7 +153,7 @@ def declare(
     sends each instance: no new requests to draining ones. `peers` (decode instance key ->
     prefill instance keys) sets whom each decode router sends prompts to; by default every
     prefill instance of its model in its region."""
-    infra = Infra(stack, fleet.deploy)
+    infra = Infra(stack, fleet.deploy, [(r.cloud, r.region) for r in fleet.regions])
     deploy = fleet.deploy
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
@@ -161,7 +161,7 @@ def declare(
     batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
-    for inst in order:  # regions (and their CIDRs) in plan order, whatever the gateway's region
+    for inst in order:  # the serving regions' networks first (CIDRs by coral:fleet.regions)
         infra.region(inst.cloud, inst.region)
     gateway = _gateway(fleet, stack, infra)  # before any group: endpoint groups admit it
     for inst in order:

@@ -402,8 +402,9 @@ def test_a_gateway_in_another_aws_region_keeps_the_fleets_networks(tmp_path):
     stacks = stacks_with(tmp_path, "east1", deploy={"gateway": {"region": "us-east-1"}})
     result = preview_stack("east1", stacks)
     vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
-    # The fleet's region keeps the CIDR it has without a gateway; the gateway's comes after.
-    assert vpcs == {"vpc-us-east-2": "10.0.0.0/16", "vpc-us-east-1": "10.1.0.0/16"}
+    # The fleet's region keeps the CIDR of its place in coral:fleet.regions; the gateway's
+    # region, outside that list, gets the reserved 10.255.
+    assert vpcs == {"vpc-us-east-2": "10.0.0.0/16", "vpc-us-east-1": "10.255.0.0/16"}
     groups = {g.name: g for g in result.of_type("aws:ec2/securityGroup:SecurityGroup")}
     (rule,) = [r for r in groups["sg-phi-4-us-east-2"].inputs["ingress"] if not r.get("self")]
     assert rule["cidrBlocks"] == [f"{_ip('198.51', 'gateway-ip')}/32"]  # its Elastic IP only
