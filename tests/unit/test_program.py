@@ -227,10 +227,10 @@ def test_a_stale_library_is_refused_unless_rebuild_is_asked(tmp_path):
 def test_region_networks_do_not_renumber_when_the_plan_uses_fewer_regions(tmp_path):
     """A region's CIDR comes from its place in coral:fleet.regions, not from the plan."""
     two = [{"cloud": "aws", "region": "us-west-2"}, {"cloud": "aws", "region": "us-east-2"}]
-    stacks = stacks_with(tmp_path, "dev", regions=two)
+    nodes = ["l4x1", "l4x4", "a10gx1", "a10gx4", "l40sx1"]  # dev's node configs
+    none_west = [{"cloud": "aws", "region": "us-west-2", "node": n, "count": 0} for n in nodes]
+    stacks = stacks_with(tmp_path, "dev", regions=two, availability=none_west)
     result = preview_stack("dev", stacks)
+    assert {i.region for i in result.plan.instances} == {"us-east-2"}
     vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
-    used = {i.region for i in result.plan.instances}
-    for region in used:
-        index = [r["region"] for r in two].index(region)
-        assert vpcs[f"vpc-{region}"] == f"10.{index}.0.0/16"
+    assert vpcs["vpc-us-east-2"] == "10.1.0.0/16"  # its place in the list, not in the plan
