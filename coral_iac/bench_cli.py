@@ -9,8 +9,10 @@ from typing import Annotated, Any
 
 import typer
 from rich.table import Table
+from rich.text import Text
 
 from coral_iac.console import STACKS_DIR, err, out, progress_bar, reports_errors
+from solver.errors import CoralError
 
 METHODS = ("coral", "homo", "cauchy")
 
@@ -84,7 +86,14 @@ def bench(
                     perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
                 )
                 for method in METHODS:
-                    plan = plan_stack(name, fleet, perf.catalog, libs, method=method)  # type: ignore[arg-type]
+                    try:
+                        plan = plan_stack(name, fleet, perf.catalog, libs, method=method)  # type: ignore[arg-type]
+                    except CoralError as e:  # one failed solve must not lose the whole run
+                        err.print(Text(f"{name} {mode} {method}: {e}"), highlight=False)
+                        rows.append(
+                            {"stack": name, "mode": mode, "method": method, "error": str(e)}
+                        )
+                        continue
                     sim = _simulate(plan, fleet, perf, duration)
                     rows.append(
                         {
@@ -117,6 +126,11 @@ def bench(
         "|" + "---|" * len(cols),
     ]
     for r in rows:
+        if "error" in r:
+            cells = [r["stack"], r["mode"], r["method"], "failed", "-", "-", "-", "-"]
+            table.add_row(*cells)
+            md.append("| " + " | ".join(cells) + " |")
+            continue
         cells = [
             r["stack"],
             r["mode"],
@@ -129,7 +143,12 @@ def bench(
         ]
         table.add_row(*cells)
         md.append("| " + " | ".join(cells) + " |")
+    failed = [r for r in rows if "error" in r]
     md += ["", *headline(rows), ""]
+    if failed:
+        md += ["Failed:", ""] + [
+            f"- {r['stack']} {r['mode']} {r['method']}: {r['error']}" for r in failed
+        ] + [""]
     md += [
         "![cost by model](cost_by_model.png)",
         "![goodput](goodput.png)",
@@ -139,7 +158,7 @@ def bench(
     (out_dir / "results.json").write_text(
         json.dumps(rows, indent=1, sort_keys=True) + "\n", encoding="utf-8"
     )
-    _plots(plt, rows, out_dir)
+    _plots(plt, [r for r in rows if "error" not in r], out_dir)
     out.print(table)
     err.print(f"Wrote {out_dir / 'report.md'}, results.json and 3 plots")
 
@@ -157,6 +176,9 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
     by = {(r["stack"], r["mode"], r["method"]): r for r in rows}
     for stack, mode in dict.fromkeys((r["stack"], r["mode"]) for r in rows):
         c, h, k = (by[(stack, mode, m)] for m in METHODS)
+        if any("error" in r for r in (c, h, k)):
+            out.append(f"| {stack} | {mode} | - | - | - | - | {PAPER.get(stack, '')} |")
+            continue
 
         def ratio(a: float, b: float) -> str:
             return f"{a / b:.2f}x" if b > 0 else "-"

@@ -253,23 +253,24 @@ def solve_allocation(problem: Problem) -> Solution:
     a plan with a reported gap.
     """
     start_plan, seconds = _homogeneous_plan(problem)
-    model = _Model(problem, maximise_fraction=False, min_fraction=1.0)
-    model.hint_from(start_plan)
-    status, sec = model.solve()
-    seconds += sec
     fraction, binding = 1.0, []
-    if status == pywraplp.Solver.INFEASIBLE:
+    if start_plan is None:
+        # No single-config plan meets demand: find the most-served plan first. That solve is
+        # always feasible (nothing is a solution), and its plan is the cost solve's start, so a
+        # cost solve that times out still has a plan (a cold one could end with none).
         scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
         status_f, sec_f = scarce.solve()
         seconds += sec_f
         _check(status_f, "the most-served solve", problem)
         assert scarce.phi is not None
         fraction = round(scarce.phi.solution_value()) / FRACTION_STEPS
-        binding = _binding(problem, scarce)
-        model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
-        model.hint_from({i: round(v.solution_value()) for i, v in enumerate(scarce.nu)})
-        status, sec_c = model.solve()
-        seconds += sec_c
+        if fraction < 1:
+            binding = _binding(problem, scarce)
+        start_plan = {i: round(v.solution_value()) for i, v in enumerate(scarce.nu)}
+    model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
+    model.hint_from(start_plan)
+    status, sec = model.solve()
+    seconds += sec
     _check(status, "the cost solve", problem)
     counts = {
         i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5

@@ -302,3 +302,32 @@ def test_a_decode_pipeline_holds_kv_for_every_micro_batch_in_flight():
         assert e.batch <= e.kv_capacity_tokens // (4 * held)
         assert e.batch <= one[j].batch
     assert any(e.batch < one[j].batch for j, e in four.items())
+
+
+def test_cli_bench_reports_a_failed_solve_and_goes_on(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import solver.planner
+    from coral_iac.cli import app
+    from solver.errors import InputError
+    from tests.conftest import REPO
+
+    (tmp_path / "stacks").symlink_to(REPO / "stacks")
+    monkeypatch.chdir(tmp_path)
+    real = solver.planner.plan_stack
+
+    def flaky(*args, method="coral", **kwargs):
+        if method == "cauchy":
+            raise InputError("allocation", "the cost solve ended not solved", "raise the limit")
+        return real(*args, method=method, **kwargs)
+
+    monkeypatch.setattr(solver.planner, "plan_stack", flaky)
+    out = tmp_path / "bench"
+    r = CliRunner().invoke(
+        app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out), "--duration", "30"]
+    )
+    assert r.exit_code == 0, r.output
+    report = (out / "report.md").read_text()
+    assert "| dev | vllm | cauchy | failed |" in report
+    assert "| dev | vllm | coral | failed |" not in report
+    assert "- dev vllm cauchy: allocation: the cost solve ended not solved" in report
