@@ -26,7 +26,7 @@ def _run(stack: str, previous: Path | None) -> Any:
 
     running = load_plan(previous) if previous is not None else None
     try:
-        return preview_stack(stack, STACKS_DIR, running), running
+        return preview_stack(stack, STACKS_DIR, running, rebuild_stale=True), running
     except pulumi.RunError as e:
         raise CoralError(str(e)) from None
 
@@ -40,6 +40,7 @@ def preview(
 ) -> None:
     """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
     from coral_iac.program import cost_diff_table
+    from solver.reconfigure import FleetState
 
     result, running = _run(stack, previous)
     nodes = [r for r in result.resources if r.type in NODE_TYPES and not _is_gateway(r)]
@@ -77,7 +78,8 @@ def preview(
         "Shared resources: "
         + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
     )
-    out.print(cost_diff_table(running, result.plan))
+    state = FleetState.model_validate_json(result.outputs["fleet_state"])
+    out.print(cost_diff_table(running, result.plan, state))
     for model, urls in sorted((result.outputs.get("endpoints") or {}).items()):
         out.print(f"{model}: {', '.join(urls)}  (mock addresses)")
     if "gateway" in result.outputs:

@@ -108,10 +108,12 @@ def preview_stack(
     previous: Plan | None = None,
     previous_outputs: dict[str, Any] | None = None,
     now: datetime | None = None,
+    rebuild_stale: bool = False,
 ) -> PreviewResult:
     """Run the program for `stack` under mocks. The stack's last outputs are
     `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the plan
-    `previous`; `now` fakes the clock (consecutive deploys in tests)."""
+    `previous`; `now` fakes the clock (consecutive deploys in tests); `rebuild_stale` rebuilds
+    a stale template library instead of failing, as `coral plan` does."""
     from coral_iac import program
 
     config = stack_config(stacks_dir, stack)
@@ -121,7 +123,8 @@ def preview_stack(
     if previous_outputs is None:
         previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
     mocks = CoralMocks(previous_outputs)
-    clock = program.clock
+    clock, rebuild = program.clock, program.REBUILD_STALE
+    program.REBUILD_STALE = rebuild_stale
     if now is not None:
         program.clock = lambda: now  # type: ignore[assignment]
     # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
@@ -139,4 +142,5 @@ def preview_stack(
         pulumi.runtime.test(body)()
     finally:
         program.clock = clock  # type: ignore[assignment]
+        program.REBUILD_STALE = rebuild
     return PreviewResult(mocks.resources, exported)

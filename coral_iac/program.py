@@ -52,6 +52,9 @@ from solver.simulator import InstanceModel
 from solver.stack import FleetConfig
 
 LIBRARY_ROOT = planner.LIBRARY_ROOT  # a module attribute, so tests can point it elsewhere
+# `coral preview` (offline) rebuilds a stale local cache as `coral plan` does; `pulumi up` only
+# with coral:fleet.deploy.rebuild_library.
+REBUILD_STALE = False
 
 
 def read_fleet() -> FleetConfig:
@@ -107,7 +110,7 @@ def make_plan(stack: str, fleet: FleetConfig, perf: PerfModel, previous: Plan | 
         perf,
         LIBRARY_ROOT / stack,
         previous,
-        rebuild_stale=fleet.deploy.rebuild_library,
+        rebuild_stale=fleet.deploy.rebuild_library or REBUILD_STALE,
     )
 
 
@@ -340,11 +343,11 @@ def cost_diff_table(previous: Plan | None, plan: Plan, state: FleetState | None 
         by = state.by_state()
         leaving = [state.members[k] for k in by["retiring"] + by["draining"]]
         cost = sum(m.instance.usd_per_hour for m in leaving)
+        # Short lines: the CLI reprints this on an 80-column console.
         console.print(
             f"Instances: {len(by['ready'])} ready, {len(by['starting'])} starting, "
-            f"{len(by['retiring'])} retiring (still serving until their replacements have "
-            f"booted), {len(by['draining'])} draining (no new requests; deleted next run). "
-            f"Leaving instances cost {cost:,.2f} $/hour this interval; declared total "
+            f"{len(by['retiring'])} retiring, {len(by['draining'])} draining.\n"
+            f"Leaving ones cost {cost:,.2f} $/hour this interval; all declared: "
             f"{state.hourly_cost_usd():,.2f} $/hour."
         )
     return buffer.getvalue()

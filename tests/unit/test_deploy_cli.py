@@ -26,6 +26,21 @@ def test_preview_lists_nodes_and_cost(tmp_path, monkeypatch):
     assert any(x["type"] == "aws:ec2/instance:Instance" for x in data["resources"])
     r = runner.invoke(app, ["preview", "--stack", "dev"])
     assert r.exit_code == 0 and "aws:us-east-2" in r.stdout and "$/hour" in r.stdout
+    assert "starting, 0 retiring, 0 draining" in r.stdout  # a new stack: everything boots
+
+
+def test_preview_rebuilds_a_stale_local_library(tmp_path, monkeypatch):
+    """Offline, `coral preview` rebuilds a stale cache as `coral plan` does."""
+    monkeypatch.chdir(REPO)
+    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
+    assert runner.invoke(app, ["preview", "--stack", "dev", "--json"]).exit_code == 0
+    for f in (tmp_path / "library" / "dev").glob("*.json"):
+        doc = json.loads(f.read_text())
+        doc["input_hashes"]["perf_model"] = "stale"
+        f.write_text(json.dumps(doc))
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json"])
+    assert r.exit_code == 0, r.output
+    assert program.REBUILD_STALE is False  # only for that run
 
 
 def test_render_writes_valid_user_data_per_node(tmp_path, monkeypatch):
