@@ -234,18 +234,24 @@ def router_argv(router: RouterSpec, api_port: int) -> list[str]:
     return argv + ["--host", "0.0.0.0", "--port", str(api_port)]
 
 
-def _environment() -> Environment:
+def template_environment(folder: Path) -> Environment:
+    """Jinja2 as every Coral template renders: StrictUndefined (a missing value is an error,
+    never an empty string), no autoescape (YAML, shell and HAProxy, not HTML), shell filters."""
     env = Environment(
-        loader=FileSystemLoader(TEMPLATES),
+        loader=FileSystemLoader(folder),
         undefined=StrictUndefined,
         keep_trailing_newline=True,
         trim_blocks=True,
         lstrip_blocks=True,
-        autoescape=False,  # noqa: S701 - renders YAML and shell, not HTML
+        autoescape=False,  # noqa: S701 - renders YAML, shell and HAProxy, not HTML
     )
     env.filters["shell_array"] = lambda items: " ".join(_shell_quote(x) for x in items)
     env.filters["shell_quote"] = _shell_quote
     return env
+
+
+def _environment() -> Environment:
+    return template_environment(TEMPLATES)
 
 
 MASTER_ADDR_VAR = (

@@ -26,10 +26,10 @@ from typing import Any, Literal, cast
 
 import pulumi
 import pulumi_aws as aws
-from jinja2 import Environment, FileSystemLoader, StrictUndefined
+from jinja2 import Environment
 from pydantic import BaseModel, ConfigDict, Field
 
-from coral_iac.bootstrap import TEMPLATES
+from coral_iac.bootstrap import TEMPLATES, template_environment
 from coral_iac.infra import EC2_ASSUME_ROLE, GatewayPeer, Infra, slug
 from solver.errors import InputError
 from solver.plan import Instance, Plan, template_ref
@@ -148,14 +148,7 @@ def _weight(throughput: float, peak: float) -> int:
 
 
 def _environment() -> Environment:
-    env = Environment(
-        loader=FileSystemLoader(TEMPLATES / "gateway"),
-        undefined=StrictUndefined,
-        keep_trailing_newline=True,
-        trim_blocks=True,
-        lstrip_blocks=True,
-        autoescape=False,  # noqa: S701 - renders HAProxy, YAML and shell, not HTML
-    )
+    env = template_environment(TEMPLATES / "gateway")
     env.filters["regex_escape"] = lambda name: name.replace(".", "\\.")  # MODEL_NAME-safe
     return env
 
