@@ -190,9 +190,25 @@ class _Model:
 
     def hint_from(self, counts: dict[int, int] | None) -> None:
         """Give the solver a feasible starting plan (SCIP and CP-SAT; OR-Tools 9.15's HiGHS
-        interface crashed with a hint, so HiGHS starts cold)."""
-        if counts and self.problem.settings.backend != "highs":
-            self.solver.SetHint(self.nu, [float(counts.get(i, 0)) for i in range(len(self.nu))])
+        interface crashed with a hint, so HiGHS starts cold). A most-served model also gets
+        the plan's served fraction, so the hint is a complete solution."""
+        if not counts or self.problem.settings.backend == "highs":
+            return
+        variables = list(self.nu)
+        values = [float(counts.get(i, 0)) for i in range(len(self.nu))]
+        if self.phi is not None:
+            variables.append(self.phi)
+            values.append(float(self._served_steps(counts)))
+        self.solver.SetHint(variables, values)
+
+    def _served_steps(self, counts: dict[int, int]) -> int:
+        """The largest phi (in FRACTION_STEPS) that `counts` serves for every job."""
+        have: dict[Job, float] = {}
+        for i, n in counts.items():
+            job = self.problem.columns[i].job
+            have[job] = have.get(job, 0.0) + n * self.problem.columns[i].template.throughput
+        ratios = [have.get(j, 0.0) / d for j, d in self.problem.demand.items() if d > 0]
+        return max(0, min(FRACTION_STEPS, math.floor(min(ratios, default=1.0) * FRACTION_STEPS)))
 
     def solve(self) -> tuple[int, float]:
         s, solver = self.problem.settings, self.solver
@@ -223,12 +239,17 @@ def _check(status: int, what: str, problem: Problem) -> None:
     )
 
 
-def _homogeneous_plan(problem: Problem) -> tuple[dict[int, int] | None, float]:
-    """A feasible start, with its solve time: the cheapest plan from single-node-config
-    templates (a much smaller problem), if one meets demand."""
+def _homogeneous_plan(
+    problem: Problem, maximise_fraction: bool = False
+) -> tuple[dict[int, int] | None, float]:
+    """A feasible start, with its solve time, from single-node-config templates only (a much
+    smaller problem): the cheapest plan that meets demand (None if none does), or with
+    `maximise_fraction`, the most-served plan."""
     idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
-    model = _Model(sub, maximise_fraction=False, min_fraction=1.0)
+    model = _Model(
+        sub, maximise_fraction=maximise_fraction, min_fraction=0.0 if maximise_fraction else 1.0
+    )
     status, seconds = model.solve()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, seconds
@@ -259,6 +280,11 @@ def solve_allocation(problem: Problem) -> Solution:
         # always feasible (nothing is a solution), and its plan is the cost solve's start, so a
         # cost solve that times out still has a plan (a cold one could end with none).
         scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
+        # Start from the most-served single-config plan, so a time limit never leaves Coral
+        # serving less than the homogeneous (Cauchy-like) templates alone would.
+        homogeneous, sec_h = _homogeneous_plan(problem, maximise_fraction=True)
+        seconds += sec_h
+        scarce.hint_from(homogeneous)
         status_f, sec_f = scarce.solve()
         seconds += sec_f
         _check(status_f, "the most-served solve", problem)

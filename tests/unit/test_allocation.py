@@ -89,6 +89,40 @@ def test_scarcity_serves_a_uniform_fraction_and_names_the_binding_nodes():
     assert any("aws:" in line and "available nodes are in use" in line for line in p.binding)
 
 
+def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
+    """When scarce, the most-served solve is hinted with the single-config (Cauchy-like)
+    most-served plan, phi included, so a time limit never leaves Coral serving less than
+    those templates alone (seen on paper-extended-scarce at u = 0.7 before)."""
+    from solver.allocation import FRACTION_STEPS, Problem, _homogeneous_plan, _Model, make_columns
+    from solver.market import build_market
+    from solver.planner import stack_demand
+
+    avail = [
+        {"cloud": "aws", "region": r, "node": n, "count": 1}
+        for r in ("us-east-2", "ap-northeast-2")
+        for n in SMALL_FLEET["node_configs"]
+    ]
+    f = with_rps(6, 8, availability=avail)
+    demand = stack_demand(f)
+    market = build_market(f, perf().catalog)
+    templates = {job: lib.templates for job, lib in libraries().items()}
+    problem = Problem(demand, make_columns(templates, market, demand), market, f.allocation)
+    counts, _ = _homogeneous_plan(problem, maximise_fraction=True)
+    assert counts and all(len(problem.columns[i].usage) == 1 for i in counts if counts[i])
+    scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
+    steps = scarce._served_steps(counts)
+    cauchy = plan_stack("test", f, perf().catalog, libraries(), method="cauchy")
+    assert 0 < steps / FRACTION_STEPS == pytest.approx(cauchy.served_fraction, abs=1e-3)
+    hinted = []
+
+    def record(variables, values):
+        hinted.append(dict(zip(variables, values, strict=True)))
+
+    scarce.solver.SetHint = record  # the SWIG solver takes a Python attribute
+    scarce.hint_from(counts)
+    assert hinted and hinted[0][scarce.phi] == steps
+
+
 def test_budget_limits_the_plan_and_is_reported():
     p = plan_for(with_rps(6, 8, allocation={"budget_usd_per_hour": 6, "relative_gap": 0}))
     assert p.served_fraction < 1 and p.hourly_cost_usd <= 6 + 1e-6
