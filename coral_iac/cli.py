@@ -270,17 +270,36 @@ def profile_calibrate(
     doc: Annotated[
         Path | None, typer.Option(help="Write the error table as Markdown here.")
     ] = None,
+    measured: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also fit to this folder of `coral profile measure` tables (one-GPU, TP 1), "
+            "e.g. the output of scripts/profile_gpu.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Per-file error of the performance model against the measured timings (and refit)."""
     from coral_iac.reports import calibration_markdown
-    from solver.calibration import error_table, fit, load_calibration, load_helix_dir
+    from solver.calibration import (
+        error_table,
+        fit,
+        load_calibration,
+        load_helix_dir,
+        load_profiler_dir,
+    )
     from solver.catalog import load_catalog
     from solver.io import data_path
     from solver.model_cards import load_model_cards
 
     files, cards, cat = load_helix_dir(data), load_model_cards(), load_catalog()
-    cal = fit(files, cards, cat) if write else load_calibration()
+    source = "Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/"
+    command = "coral profile calibrate --write"
+    if measured is not None:
+        files += load_profiler_dir(measured, cat)
+        source += f"; coral profile measure tables, {measured}"
+        command += f" --measured {measured}"
+    cal = fit(files, cards, cat, source=source, command=command) if write else load_calibration()
     if write:
         path = data_path("calibration.yaml")
         header = "# Fitted efficiency factors of the performance model. Generated: do not edit.\n"

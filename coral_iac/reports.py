@@ -21,7 +21,8 @@ def calibration_markdown(
         "# Performance model vs measured per-layer timings",
         "",
         "Regenerate: `coral profile calibrate --doc docs/calibration.md` "
-        "(add `--write` to refit `solver/data/calibration.yaml`).",
+        "(add `--write` to refit `solver/data/calibration.yaml`, and `--measured DIR` to fit to "
+        "`coral profile measure` tables as well).",
         "",
         f"Data: {cal.data}. Fitted on {cal.fitted_on}, performance model v{cal.perf_model_version}.",
         f"Fitted unknowns of the measurements: decode context {cal.decode_context_tokens:g} tokens, "

@@ -37,13 +37,16 @@ EFF_FIELDS = list(Efficiency.model_fields)
 
 @dataclass(frozen=True)
 class CalibrationFile:
-    """One measured file: which model, GPU and phase, and its (x, ms) points (x > 0)."""
+    """One measured file: which model, GPU and phase, and its (x, ms) points (x > 0). `context`
+    is the decode context or prefill prompt length it was measured at, when the file says
+    (the profiler's sidecar); Helix's files do not, so the fit estimates theirs."""
 
     name: str
     model: str
     gpu: str
     phase: Phase
     points: tuple[tuple[float, float], ...]
+    context: float | None = None
 
 
 def load_helix_dir(directory: Path) -> list[CalibrationFile]:
@@ -59,6 +62,49 @@ def load_helix_dir(directory: Path) -> list[CalibrationFile]:
         out.append(CalibrationFile(path.name, model, HELIX_GPUS[gpu], HELIX_PHASES[phase], pts))
     if not out:
         raise InputError(str(directory), "no CSV files", "pass the Helix calibration folder")
+    return out
+
+
+def load_profiler_dir(directory: Path, catalog: Catalog) -> list[CalibrationFile]:
+    """Measured tables written by `coral profile measure` (`<model>__<node>__<phase>.csv`
+    with its JSON sidecar), for GPUs of the catalog measured one GPU per layer (TP 1).
+
+    Raises:
+        InputError: no tables, a table without its sidecar, a smoke (toy-layer) table, a node
+            the catalog lacks, or a TP > 1 table (the fit is per GPU).
+    """
+    import json
+
+    from solver.measured import parse_table_name
+
+    if not directory.is_dir():
+        raise InputError(str(directory), "not a directory", "pass the folder of measured tables")
+    out = []
+    for path in sorted(directory.glob("*.csv")):
+        model, node, phase = parse_table_name(path)
+        sidecar = path.with_suffix(".json")
+        if not sidecar.exists():
+            raise InputError(
+                str(sidecar), "missing: it records the context", "keep the profiler's JSON"
+            )
+        meta = json.loads(sidecar.read_text(encoding="utf-8"))
+        if "smoke" in str(meta.get("method", "")):
+            raise InputError(
+                str(path), "a smoke-test table (toy layer), not data", "measure on a real GPU"
+            )
+        if int(meta.get("tp", 1)) != 1 or node not in catalog.node_configs:
+            raise InputError(
+                str(path),
+                f"node {node} (TP {meta.get('tp', 1)}): the fit needs one-GPU tables of a "
+                "catalog GPU",
+                "measure with --tp 1 and add the GPU to solver/data/gpus.yaml",
+            )
+        pts = tuple((x, ms) for x, ms in read_two_column_csv(path) if x > 0)
+        gpu = catalog.node(node).gpu_id
+        context = float(meta["context_tokens"])
+        out.append(CalibrationFile(path.name, model, gpu, phase, pts, context))  # type: ignore[arg-type]
+    if not out:
+        raise InputError(str(directory), "no CSV files", "pass the profiler's output folder")
     return out
 
 
@@ -95,7 +141,7 @@ def predict_ms(
     settings: PerfSettings,
 ) -> np.ndarray:
     node = catalog.node(f"{f.gpu}x1")
-    ctx = decode_ctx if f.phase == "decode" else prompt_len
+    ctx = f.context if f.context is not None else decode_ctx if f.phase == "decode" else prompt_len
     return np.array(
         [analytical_layer_ms(card, node, eff, 1, f.phase, x, ctx, settings) for x, _ in f.points]
     )
@@ -115,6 +161,8 @@ def fit(
     cards: dict[str, ModelCard],
     catalog: Catalog,
     settings: PerfSettings | None = None,
+    source: str = "Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/",
+    command: str = "coral profile calibrate --write",
 ) -> CalibrationData:
     """Fit efficiencies per GPU and the two shared unknowns; returns the data file's content."""
     settings = settings or PerfSettings()
@@ -146,8 +194,8 @@ def fit(
         schema_version=1,
         perf_model_version=PERF_MODEL_VERSION,
         fitted_on=dt.date.today(),
-        command="coral profile calibrate --write",
-        data="Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/",
+        command=command,
+        data=source,
         decode_context_tokens=round(ctx, 1),
         prefill_prompt_tokens=round(plen, 1),
         gpus=effs,

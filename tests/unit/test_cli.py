@@ -234,3 +234,56 @@ def test_error_messages_keep_brackets():
     """Errors are plain text: Rich markup would swallow `[4]` (or `coral-iac[profile]`)."""
     r = run("profile", "layer-time", "--model", "phi-[4]", "--node", "l4x1", "--phase", "decode", "--batch", "1")
     assert r.exit_code == 1 and "phi-[4]" in r.output
+
+
+def write_profiler_table(folder: Path, model: str, node: str, phase: str, context: int, **meta):
+    """A table as `coral profile measure` writes it, timed here by the stored calibration at
+    `context` (so the fit's per-file context is what makes it match)."""
+    from solver.calibration import load_calibration
+    from solver.catalog import load_catalog
+    from solver.model_cards import load_model_cards
+    from solver.perf import PerfSettings, analytical_layer_ms
+
+    cat, card, cal = load_catalog(), load_model_cards()[model], load_calibration()
+    cfg = cat.node(node)
+    eff = cal.gpus.get(cfg.gpu_id, cal.default)
+    sizes = [1, 8, 64] if phase == "decode" else [512, 2048, 8192]
+    rows = [
+        f"{x},{analytical_layer_ms(card, cfg, eff, 1, phase, x, context, PerfSettings()):.6f}"
+        for x in sizes
+    ]
+    stem = folder / f"{model}__{node}__{phase}"
+    stem.with_suffix(".csv").write_text("\n".join(rows) + "\n")
+    sidecar = {"context_tokens": context, "tp": 1, "method": "torch layer: median"} | meta
+    stem.with_suffix(".json").write_text(json.dumps(sidecar))
+
+
+def test_calibrate_reads_profiler_tables_with_their_own_context(tmp_path):
+    write_profiler_table(tmp_path, "llama2-70b", "l4x1", "decode", 3000)
+    write_profiler_table(tmp_path, "llama2-70b", "l4x1", "prefill", 512)
+    r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--measured", str(tmp_path), "--json")
+    assert r.exit_code == 0, r.output
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert len(rows) == 14  # 12 Helix files + 2 tables
+    for name in ("llama2-70b__l4x1__decode.csv", "llama2-70b__l4x1__prefill.csv"):
+        assert rows[name]["median_abs_rel_error"] < 1e-4  # timed at their own context
+
+
+@pytest.mark.parametrize(
+    ("node", "meta", "message"),
+    [
+        ("l4x1", {"method": "torch layer (tiny stand-in layer: smoke output, not data)"}, "smoke"),
+        ("l4x1", {"tp": 2}, "TP 2"),
+        ("cpux1", {}, "node cpux1"),
+    ],
+)
+def test_calibrate_refuses_tables_it_cannot_fit(tmp_path, node, meta, message):
+    if node == "cpux1":  # not in the catalog: write it by hand
+        (tmp_path / "phi-4__cpux1__decode.csv").write_text("1,0.2\n8,0.3\n")
+        (tmp_path / "phi-4__cpux1__decode.json").write_text(
+            json.dumps({"context_tokens": 32, "tp": 1, "method": "torch"})
+        )
+    else:
+        write_profiler_table(tmp_path, "phi-4", node, "decode", 1024, **meta)
+    r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--measured", str(tmp_path))
+    assert r.exit_code == 1 and message in r.output
