@@ -240,20 +240,26 @@ def _check(status: int, what: str, problem: Problem) -> None:
 
 
 def _homogeneous_plan(
-    problem: Problem, maximise_fraction: bool = False
+    problem: Problem, maximise_fraction: bool = False, min_fraction: float = 1.0
 ) -> tuple[dict[int, int] | None, float]:
     """A feasible start, with its solve time, from single-node-config templates only (a much
-    smaller problem): the cheapest plan that meets demand (None if none does), or with
-    `maximise_fraction`, the most-served plan."""
+    smaller problem): the cheapest plan that serves `min_fraction` of demand (None if none
+    does), or with `maximise_fraction`, the most-served plan."""
     idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
     model = _Model(
-        sub, maximise_fraction=maximise_fraction, min_fraction=0.0 if maximise_fraction else 1.0
+        sub,
+        maximise_fraction=maximise_fraction,
+        min_fraction=0.0 if maximise_fraction else min_fraction,
     )
     status, seconds = model.solve()
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, seconds
     return {idx[k]: round(v.solution_value()) for k, v in enumerate(model.nu)}, seconds
+
+
+def _price(problem: Problem, counts: dict[int, int]) -> float:
+    return sum(n * problem.columns[i].price for i, n in counts.items())
 
 
 STATUS = {
@@ -293,6 +299,12 @@ def solve_allocation(problem: Problem) -> Solution:
         if fraction < 1:
             binding = _binding(problem, scarce)
         start_plan = {i: round(v.solution_value()) for i, v in enumerate(scarce.nu)}
+        # The cost solve starts from the cheaper of that plan and the cheapest single-config
+        # plan serving the same fraction, so it never ends dearer than the Cauchy-like one.
+        cheap, sec_c = _homogeneous_plan(problem, min_fraction=fraction)
+        seconds += sec_c
+        if cheap is not None and _price(problem, cheap) < _price(problem, start_plan):
+            start_plan = cheap
     model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
     model.hint_from(start_plan)
     status, sec = model.solve()

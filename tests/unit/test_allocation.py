@@ -121,6 +121,12 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
     scarce.solver.SetHint = record  # the SWIG solver takes a Python attribute
     scarce.hint_from(counts)
     assert hinted and hinted[0][scarce.phi] == steps
+    # ... and the cost solve can start from the cheapest single-config plan at that fraction:
+    # Cauchy-like's own cost there.
+    cheap, _ = _homogeneous_plan(problem, min_fraction=cauchy.served_fraction)
+    assert cheap is not None
+    price = sum(n * problem.columns[i].price for i, n in cheap.items())
+    assert price == pytest.approx(cauchy.hourly_cost_usd, abs=1e-3)  # the plan rounds to 4 digits
 
 
 def test_budget_limits_the_plan_and_is_reported():
