@@ -47,7 +47,7 @@ from solver.io import parse_model
 from solver.plan import Instance, Plan, diff_plans, template_ref
 from solver.planner import plan_with_library
 from solver.profile import PerfModel
-from solver.reconfigure import FleetState, transition
+from solver.reconfigure import FleetState, router_peers, transition
 from solver.simulator import InstanceModel
 from solver.stack import FleetConfig
 
@@ -175,13 +175,7 @@ def declare(
         # Cap vLLM's batches at the SLO-feasible sizes the library assumed (as simulated);
         # replicas of one template share them.
         if ref not in batch_caps:
-            batch_caps[ref] = InstanceModel(
-                perf,
-                template,
-                spec.decode_context_tokens,
-                spec.mean_prompt_tokens,
-                (spec.slo_ms.prefill, spec.slo_ms.decode),
-            )
+            batch_caps[ref] = InstanceModel.serving(perf, template, spec)
         sizes = batch_caps[ref]
         boots = node_boots(
             max_num_seqs=sizes.max_running,
@@ -208,7 +202,7 @@ def declare(
         )
         offers = [_offer(perf, inst, n) for n in template.nodes]
         router_ips = (
-            [prefill_heads[k] for k in (peers or {}).get(inst.key) or _prefills(plan, inst)]
+            [prefill_heads[k] for k in (peers or {}).get(inst.key) or router_peers(plan, inst)]
             if inst.phase == "decode"
             else None
         )
@@ -248,14 +242,6 @@ def declare(
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
-
-
-def _prefills(plan: Plan, inst: Instance) -> list[str]:
-    return [
-        i.key
-        for i in plan.instances
-        if i.phase == "prefill" and (i.model, i.region) == (inst.model, inst.region)
-    ]
 
 
 def _gateway_states(plan: Plan, states: dict[str, str]) -> dict[str, str]:

@@ -46,7 +46,7 @@ import numpy as np
 from solver.perf import Phase
 from solver.plan import Plan, template_ref
 from solver.profile import PerfModel
-from solver.stack import FleetConfig
+from solver.stack import FleetConfig, ModelSpec
 from solver.template import ServingTemplate
 from solver.traces import Trace
 
@@ -145,6 +145,13 @@ class InstanceModel:
             self._member_ms(m, stage, phase, math.ceil(size * share))
             for m, share in zip(stage.members, self._shares[(i, phase)], strict=True)
         )
+
+    @classmethod
+    def serving(cls, perf: PerfModel, template: ServingTemplate, spec: ModelSpec) -> InstanceModel:
+        """The instance as it serves its model: the workload's mean context and prompt, and
+        batches capped at the SLO-feasible sizes (what the Pulumi program passes to vLLM)."""
+        slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
+        return cls(perf, template, spec.decode_context_tokens, spec.mean_prompt_tokens, slo)
 
     def decode_round_ms(self, running: int) -> float:
         if running not in self._decode:
@@ -445,7 +452,6 @@ def simulate(
     results = {}
     for model, trace in sorted(traces.items()):
         spec = fleet.models[model]
-        ctx = spec.decode_context_tokens
         by_phase: dict[str, list[InstanceModel]] = {}
         names: dict[str, list[str]] = {}
         shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
@@ -454,10 +460,7 @@ def simulate(
                 continue
             ref = template_ref(model, inst.phase, inst.template)
             if ref not in shared:
-                slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
-                shared[ref] = InstanceModel(
-                    perf, plan.templates[ref], ctx, spec.mean_prompt_tokens, slo
-                )
+                shared[ref] = InstanceModel.serving(perf, plan.templates[ref], spec)
             by_phase.setdefault(inst.phase, []).append(shared[ref])
             names.setdefault(inst.phase, []).append(inst.key)
         n = len(trace)
@@ -542,13 +545,7 @@ def capacity_check(
     for ref in sorted({template_ref(i.model, i.phase, i.template) for i in plan.instances}):
         template = plan.templates[ref]
         spec = fleet.models[template.model]
-        inst = InstanceModel(
-            perf,
-            template,
-            spec.decode_context_tokens,
-            spec.mean_prompt_tokens,
-            (spec.slo_ms.prefill, spec.slo_ms.decode),
-        )
+        inst = InstanceModel.serving(perf, template, spec)
         per_request = {
             "prefill": spec.mean_prompt_tokens,
             "decode": spec.mean_output_tokens,
