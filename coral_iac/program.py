@@ -164,8 +164,6 @@ def declare(
     batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
-    for inst in order:  # the serving regions' networks first (CIDRs by coral:fleet.regions)
-        infra.region(inst.cloud, inst.region)
     gateway = _gateway(fleet, stack, infra)  # before any group: endpoint groups admit it
     for inst in order:
         ref = template_ref(inst.model, inst.phase, inst.template)
