@@ -26,10 +26,11 @@ from pathlib import Path
 from typing import Literal
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from solver.errors import InputError
-from solver.template import ServingTemplate
+from solver.templates.serving_template import ServingTemplate
+from solver.types import FROZEN
 
 VLLM_VERSION = "0.33.0"  # pinned; tests check rendered flags against this version's parser
 VLLM_ROUTER_VERSION = "0.1.17"
@@ -37,7 +38,6 @@ MASTER_PORT = 29501
 PREFILL_PORT, DECODE_PORT = 8100, 8200  # internal vLLM HTTP ports of a PD pair
 NIXL_PORT = 5600
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
-FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 class Process(BaseModel):

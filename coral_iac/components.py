@@ -24,7 +24,7 @@ from coral_iac.bootstrap import (
     render_user_data,
 )
 from coral_iac.infra import Identity, Region, slug
-from solver.catalog import Offer
+from solver.catalog.offers import Offer
 
 
 @dataclass(frozen=True)

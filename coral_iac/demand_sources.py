@@ -18,7 +18,8 @@ from typing import Any
 
 import httpx
 
-from solver.demand import (
+from solver.errors import InputError
+from solver.operations.demand_rules import (
     GENERATION_METRIC,
     PROMPT_METRIC,
     DemandFile,
@@ -31,7 +32,6 @@ from solver.demand import (
     rates_demand,
     with_floors,
 )
-from solver.errors import InputError
 from solver.stack import FleetConfig, PrometheusSource
 
 log = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 
 def measure_rates(settings: PrometheusSource, client: httpx.Client | None = None) -> MeasuredRates:
-    """Prompt and generated tokens/s per model over the window (see `solver.demand.rate_query`)."""
+    """Prompt and generated tokens/s per model over the window (see `solver.operations.demand_rules.rate_query`)."""
     if client is None:
         with httpx.Client(timeout=settings.timeout_s) as own:
             return measure_rates(settings, own)

@@ -27,13 +27,15 @@ from typing import Any, Literal, cast
 import pulumi
 import pulumi_aws as aws
 from jinja2 import Environment
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, Field
 
 from coral_iac.bootstrap import TEMPLATES, template_environment
+from coral_iac.deploy_settings import GatewaySettings
 from coral_iac.infra import EC2_ASSUME_ROLE, GatewayPeer, Infra, slug
 from solver.errors import InputError
-from solver.plan import Instance, Plan, template_ref
-from solver.stack import FleetConfig, GatewaySettings
+from solver.plan.schema import Instance, Plan, template_ref
+from solver.stack import FleetConfig
+from solver.types import FROZEN
 
 UpstreamState = Literal["ready", "starting", "draining"]
 STATES: tuple[str, ...] = ("ready", "starting", "draining")
@@ -44,7 +46,6 @@ WEIGHT_MAX = 256
 PARAMETER_LIMIT_CHARS = 8192
 POLL_SECONDS = 30
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # safe in a path, an ACL, a backend
-FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 class Upstream(BaseModel):
@@ -216,10 +217,9 @@ def render_gateway_user_data(stack: str, region: str) -> str:
     return env.get_template("cloud-config.yaml.j2").render(sync_script=sync, **values)
 
 
-def gateway_region(fleet: FleetConfig) -> str | None:
+def gateway_region(fleet: FleetConfig, settings: GatewaySettings) -> str | None:
     """Where the gateway runs: `deploy.gateway.region`, else the fleet's first aws region, else
     None (a GCP-only fleet without a gateway region: the program warns and declares none)."""
-    settings = fleet.deploy.gateway
     if settings.region is not None:
         return settings.region
     return next((r.region for r in fleet.regions if r.cloud == settings.cloud), None)

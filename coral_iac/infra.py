@@ -25,7 +25,7 @@ import pulumi_aws as aws
 import pulumi_gcp as gcp
 
 from coral_iac.bootstrap import secret_name
-from solver.stack import DeploySettings
+from coral_iac.deploy_settings import DeploySettings
 
 # Trust policy of the roles EC2 instances run as (serving nodes, the gateway).
 EC2_ASSUME_ROLE = json.dumps(

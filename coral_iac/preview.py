@@ -12,14 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass, field
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import pulumi
 import yaml
 
-from solver.plan import Plan
+from coral_iac import program
+from coral_iac.program import ProgramOptions
+from solver.plan.schema import Plan
 
 PROJECT = "coral"  # Pulumi.yaml's name: the config namespace
 
@@ -104,43 +105,29 @@ class PreviewResult:
 
 def preview_stack(
     stack: str,
-    stacks_dir: Path,
+    options: ProgramOptions,
     previous: Plan | None = None,
     previous_outputs: dict[str, Any] | None = None,
-    now: datetime | None = None,
-    rebuild_stale: bool = False,
 ) -> PreviewResult:
-    """Run the program for `stack` under mocks. The stack's last outputs are
-    `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the plan
-    `previous`; `now` fakes the clock (consecutive deploys in tests); `rebuild_stale` rebuilds
-    a stale template library instead of failing, as `coral plan` does."""
-    from coral_iac import program
-
-    config = stack_config(stacks_dir, stack)
-    pulumi.runtime.set_all_config(
-        {k if ":" in k else f"{PROJECT}:{k}": v for k, v in config.items()}
-    )
+    """Run the program for `stack` under mocks, with `options` (stacks and library folders,
+    whether a stale library is rebuilt as `coral plan` does, the clock). The stack's last
+    outputs are `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the
+    plan `previous`."""
+    config = stack_config(options.stacks_dir, stack)
     if previous_outputs is None:
         previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
     mocks = CoralMocks(previous_outputs)
-    clock, rebuild = program.clock, program.REBUILD_STALE
-    program.REBUILD_STALE = rebuild_stale
-    if now is not None:
-        program.clock = lambda: now  # type: ignore[assignment]
     # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
-    pulumi.runtime.settings.ROOT.set(None)
+    pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=False)
+    pulumi.runtime.set_all_config(
+        {k if ":" in k else f"{PROJECT}:{k}": v for k, v in config.items()}
+    )
     pulumi.runtime.set_mocks(mocks, project=PROJECT, stack=stack, preview=False)
     exported: dict[str, Any] = {}
 
     def body() -> pulumi.Output[Any]:
-        program.run()
-        root = pulumi.runtime.settings.get_root_resource()
-        outputs = getattr(root, "outputs", {}) or {}
+        outputs = program.run(options)
         return pulumi.Output.from_input(outputs).apply(exported.update)
 
-    try:
-        pulumi.runtime.test(body)()
-    finally:
-        program.clock = clock  # type: ignore[assignment]
-        program.REBUILD_STALE = rebuild
+    pulumi.runtime.test(body)()  # type: ignore[no-untyped-call]
     return PreviewResult(mocks.resources, exported)

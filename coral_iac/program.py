@@ -26,7 +26,10 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import pulumi
@@ -36,35 +39,49 @@ from rich.table import Table
 
 from coral_iac.bootstrap import node_boots
 from coral_iac.components import ServingInstance, ServingInstanceArgs
-from coral_iac.console import STACKS_DIR
 from coral_iac.demand_sources import resolve_demand
+from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
 from coral_iac.infra import Infra, slug
-from solver import planner
-from solver.defaults import load_perf_model
+from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.errors import CoralError
-from solver.io import parse_model
-from solver.plan import Instance, Plan, diff_plans, template_ref
-from solver.planner import plan_with_library
-from solver.profile import PerfModel
-from solver.reconfigure import FleetState, router_peers, transition
-from solver.simulator import InstanceModel
-from solver.stack import FleetConfig
-
-LIBRARY_ROOT = planner.LIBRARY_ROOT  # a module attribute, so tests can point it elsewhere
-# `coral preview` (offline) rebuilds a stale local cache as `coral plan` does; `pulumi up` only
-# with coral:fleet.deploy.rebuild_library.
-REBUILD_STALE = False
+from solver.operations.reconfiguration import FleetState, router_peers, transition
+from solver.performance.default_model import load_perf_model
+from solver.performance.perf_model import PerfModel
+from solver.plan.planner import plan_with_library
+from solver.plan.schema import Instance, Plan, diff_plans, template_ref
+from solver.stack import FLEET_KEY, FleetConfig, parse_fleet
+from solver.templates.instance_model import InstanceModel
 
 
-def read_fleet() -> FleetConfig:
-    raw = pulumi.Config("coral").require_object("fleet")
-    return parse_model(FleetConfig, raw, "coral:fleet")
-
-
-def clock() -> datetime:
-    """Now (UTC); a module attribute so that tests can run consecutive deploys in fake time."""
+def utc_now() -> datetime:
     return datetime.now(UTC)
+
+
+@dataclass(frozen=True)
+class ProgramOptions:
+    """What the program takes from its caller rather than from the stack config.
+
+    `pulumi up` runs with the defaults (`__main__.py`); `coral preview` and the tests pass
+    their own, e.g. a library folder elsewhere, a stale library rebuilt as `coral plan` does,
+    or a fake clock for consecutive deploys.
+    """
+
+    # Relative paths are from the project root, where Pulumi runs the program.
+    stacks_dir: Path = STACKS_FOLDER
+    library_root: Path = LIBRARY_FOLDER  # one library folder per stack below it
+    library: Path | None = None  # this stack's library folder instead of <library_root>/<stack>
+    rebuild_stale: bool = False  # `pulumi up`: only with coral:fleet.deploy.rebuild_library
+    clock: Callable[[], datetime] = utc_now
+
+    def library_dir(self, stack: str) -> Path:
+        return self.library or self.library_root / stack
+
+
+def read_stack_config() -> tuple[FleetConfig, DeploySettings]:
+    """`coral:fleet` from the stack config: the solver's part and the program's `deploy` part."""
+    config = {FLEET_KEY: pulumi.Config("coral").require_object("fleet")}
+    return parse_fleet(config, "stack config"), parse_deploy(config, "stack config")
 
 
 def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None]:
@@ -76,7 +93,10 @@ def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None]:
     )
 
     def text(name: str) -> str | None:
-        # Top-level program code is synchronous; the SDK's own sync invokes wait the same way.
+        # Top-level program code is synchronous, and the SDK reads another stack's outputs only
+        # asynchronously (`get_output_details`) or as an Output (which would put all planning
+        # inside an apply). No public sync wait exists, so this is the one private SDK name we
+        # use: `_sync_await`, with which the SDK's own synchronous invokes wait.
         details = _sync_await(ref.get_output_details(name))
         value = details.value if details.value is not None else details.secret_value
         return str(value) if value else None
@@ -103,14 +123,21 @@ def declared_plan(plan: Plan, state: FleetState) -> Plan:
     )
 
 
-def make_plan(stack: str, fleet: FleetConfig, perf: PerfModel, previous: Plan | None) -> Plan:
+def make_plan(
+    stack: str,
+    fleet: FleetConfig,
+    deploy: DeploySettings,
+    perf: PerfModel,
+    previous: Plan | None,
+    options: ProgramOptions,
+) -> Plan:
     return plan_with_library(
         stack,
         fleet,
         perf,
-        LIBRARY_ROOT / stack,
+        options.library_dir(stack),
         previous,
-        rebuild_stale=fleet.deploy.rebuild_library or REBUILD_STALE,
+        rebuild_stale=deploy.rebuild_library or options.rebuild_stale,
     )
 
 
@@ -144,6 +171,7 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
 def declare(
     plan: Plan,
     fleet: FleetConfig,
+    deploy: DeploySettings,
     perf: PerfModel,
     stack: str,
     states: dict[str, str] | None = None,
@@ -156,15 +184,14 @@ def declare(
     sends each instance: no new requests to draining ones. `peers` (decode instance key ->
     prefill instance keys) sets whom each decode router sends prompts to; by default every
     prefill instance of its model in its region."""
-    infra = Infra(stack, fleet.deploy, [(r.cloud, r.region) for r in fleet.regions])
-    deploy = fleet.deploy
+    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions])
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[str, pulumi.Output[str]] = {}  # prefill instance key -> head IP
     batch_caps: dict[str, InstanceModel] = {}
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
-    gateway = _gateway(fleet, stack, infra)  # before any group: endpoint groups admit it
+    gateway = _gateway(fleet, deploy, stack, infra)  # before any group: endpoint groups admit it
     for inst in order:
         ref = template_ref(inst.model, inst.phase, inst.template)
         template = plan.templates[ref]
@@ -253,11 +280,13 @@ def _gateway_states(plan: Plan, states: dict[str, str]) -> dict[str, str]:
     }
 
 
-def _gateway(fleet: FleetConfig, stack: str, infra: Infra) -> Gateway | None:
-    settings, deploy = fleet.deploy.gateway, fleet.deploy
+def _gateway(
+    fleet: FleetConfig, deploy: DeploySettings, stack: str, infra: Infra
+) -> Gateway | None:
+    settings = deploy.gateway
     if not settings.enabled:
         return None
-    region = gateway_region(fleet)
+    region = gateway_region(fleet, settings)
     if region is None:
         pulumi.log.warn(
             "no gateway: it runs on aws and the fleet has no aws region. Set coral:fleet.deploy."
@@ -337,22 +366,23 @@ def cost_diff_table(previous: Plan | None, plan: Plan, state: FleetState | None 
     return buffer.getvalue()
 
 
-def run() -> None:
-    """The program `__main__.py` runs."""
+def run(options: ProgramOptions | None = None) -> dict[str, Any]:
+    """The program `__main__.py` runs; returns what it exports (as `pulumi.export` gets it)."""
+    options = options or ProgramOptions()
     stack = pulumi.get_stack()
     try:
-        fleet = resolve_demand(read_fleet(), stack, STACKS_DIR, warn=pulumi.log.warn)
+        fleet, deploy = read_stack_config()
+        fleet = resolve_demand(fleet, stack, options.stacks_dir, warn=pulumi.log.warn)
         previous, previous_state = previous_outputs(stack)
         perf = load_perf_model()
-        plan = make_plan(stack, fleet, perf, previous)
+        plan = make_plan(stack, fleet, deploy, perf, previous, options)
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None
     check_deployable(plan, fleet)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
-    deploy = fleet.deploy
     state = transition(
-        previous_state, plan, clock(), deploy.boot_minutes * 60, deploy.drain_minutes * 60
+        previous_state, plan, options.clock(), deploy.boot_minutes * 60, deploy.drain_minutes * 60
     )
     state = _without_removed_models(state, fleet)
     pulumi.log.info(cost_diff_table(previous, plan, state))
@@ -363,21 +393,27 @@ def run() -> None:
         )
     states = {key: m.state for key, m in state.members.items()}
     peers = {key: m.peers for key, m in state.members.items() if m.peers}
-    endpoints, gateway = declare(declared_plan(plan, state), fleet, perf, stack, states, peers)
+    endpoints, gateway = declare(
+        declared_plan(plan, state), fleet, deploy, perf, stack, states, peers
+    )
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:
         where = by_region.setdefault(f"{i.cloud}:{i.region}", {})
         where[f"{i.model}/{i.phase}/{i.template}"] = (
             where.get(f"{i.model}/{i.phase}/{i.template}", 0) + 1
         )
-    pulumi.export("hourly_cost_usd", plan.hourly_cost_usd)
-    pulumi.export("cost_by_model", plan.cost_by_model)
-    pulumi.export("served_fraction", plan.served_fraction)
-    pulumi.export("instances_by_region", by_region)
-    pulumi.export("endpoints", endpoints)
-    for name, value in gateway.items():  # gateway, gateway_endpoints
+    outputs: dict[str, Any] = {
+        "hourly_cost_usd": plan.hourly_cost_usd,
+        "cost_by_model": plan.cost_by_model,
+        "served_fraction": plan.served_fraction,
+        "instances_by_region": by_region,
+        "endpoints": endpoints,
+        **gateway,  # gateway, gateway_endpoints
+        "plan": json.dumps(plan.model_dump(mode="json"), sort_keys=True),
+        "declared_hourly_cost_usd": state.hourly_cost_usd(),
+        "instances_by_state": state.by_state(),
+        "fleet_state": state.model_dump_json(),
+    }
+    for name, value in outputs.items():
         pulumi.export(name, value)
-    pulumi.export("plan", json.dumps(plan.model_dump(mode="json"), sort_keys=True))
-    pulumi.export("declared_hourly_cost_usd", state.hourly_cost_usd())
-    pulumi.export("instances_by_state", state.by_state())
-    pulumi.export("fleet_state", state.model_dump_json())
+    return outputs

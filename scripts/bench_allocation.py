@@ -17,10 +17,10 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from solver.defaults import load_perf_model
-from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.performance.default_model import load_perf_model
+from solver.plan.planner import libraries_for, plan_stack, stack_demand
+from solver.plan.validator import validate_plan
 from solver.stack import load_stack
-from solver.validate import validate_plan
 
 ROOT = Path(__file__).resolve().parents[1]
 STACKS = [

@@ -18,9 +18,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from solver.defaults import load_perf_model
-from solver.library import Library, build_libraries
+from solver.performance.default_model import load_perf_model
 from solver.stack import FleetConfig, load_stack
+from solver.templates.library import Library, build_libraries
 
 STACKS = Path(__file__).resolve().parents[1] / "stacks"
 FINDING_MODEL, FINDING_PHASE = "qwen3-235b-a22b", "prefill"

@@ -14,11 +14,11 @@ from typing import Annotated
 
 import typer
 
-from solver.defaults import load_perf_model
-from solver.planner import libraries_for, plan_stack, stack_demand
-from solver.simulator import simulate
+from solver.performance.default_model import load_perf_model
+from solver.plan.planner import libraries_for, plan_stack, stack_demand
+from solver.simulation.simulator import simulate
+from solver.simulation.traces import stack_traces
 from solver.stack import load_stack
-from solver.traces import stack_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 

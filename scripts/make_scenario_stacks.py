@@ -21,9 +21,9 @@ from pathlib import Path
 
 import yaml
 
-from solver.defaults import load_perf_model
-from solver.market import build_market
-from solver.planner import libraries_for, plan_stack, stack_demand
+from solver.catalog.market import build_market
+from solver.performance.default_model import load_perf_model
+from solver.plan.planner import libraries_for, plan_stack, stack_demand
 from solver.stack import load_stack
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -3,7 +3,10 @@
 Parsed once into frozen pydantic models; errors name the key path (`coral:fleet.models.phi-4.
 slo_ms.prefill`) and the fix. Sections: models (SLOs, request shape, demand, serving mode),
 regions, node_configs, library (N_max, rho, runtime mode), availability / gpu_pools / prices
-(overrides of the catalog), allocation (K, budget, solver settings).
+(overrides of the catalog), allocation (K, budget, solver settings), demand_source.
+
+The `deploy` section of the same object belongs to the Pulumi program: the solver leaves it to
+`coral_iac.deploy_settings`, which validates it (the solver knows nothing of images or ports).
 """
 
 from __future__ import annotations
@@ -11,14 +14,13 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, Field, model_validator
 
 from solver.errors import InputError
 from solver.io import parse_model, read_yaml
+from solver.types import FROZEN, LibPhase, Mode
 
-Mode = Literal["vllm", "general"]
 FLEET_KEY = "coral:fleet"
-FROZEN = ConfigDict(frozen=True, extra="forbid")
 
 
 class Slo(BaseModel):
@@ -65,7 +67,7 @@ class ModelSpec(BaseModel):
         "aggregated: one replica serves both phases (capacity in requests/s).",
     )
 
-    def phase_demand(self) -> dict[str, float]:
+    def phase_demand(self) -> dict[LibPhase, float]:
         """Demand per library phase: tokens/s for prefill/decode, requests/s for aggregated.
 
         Raises:
@@ -172,99 +174,6 @@ class AllocationSettings(BaseModel):
     threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
 
 
-class GatewaySettings(BaseModel):
-    """The stack's gateway: one HAProxy VM giving each model one address (docs/gateway.md)."""
-
-    model_config = FROZEN
-    enabled: bool = Field(
-        default=True, description="Declare the gateway (false: clients use replica endpoints)."
-    )
-    cloud: Literal["aws"] = Field(
-        default="aws",
-        description="Only aws: the gateway polls its HAProxy configuration from SSM Parameter "
-        "Store, so a plan change updates it in place.",
-    )
-    region: str | None = Field(
-        default=None,
-        min_length=1,
-        description="Region of the gateway VM (default: the first aws region in `regions`).",
-    )
-    instance_type: str = Field(
-        default="c7i.large", min_length=1, description="EC2 instance type of the gateway VM."
-    )
-    ami_parameter: str = Field(
-        default="/aws/service/debian/release/12/latest/amd64",
-        description="Public SSM parameter holding the Debian 12 AMI id (HAProxy 2.6 from Debian).",
-    )
-    disk_gb: int = Field(default=20, ge=8, le=1000, description="Encrypted root disk.")
-    health_check_interval_ms: int = Field(
-        default=2000, ge=100, le=60000, description="HAProxy's GET /health interval per replica."
-    )
-
-
-class DeploySettings(BaseModel):
-    """How the Pulumi program deploys a plan (ignored by the solver)."""
-
-    model_config = FROZEN
-    api_port: int = Field(default=8000, ge=1, le=65535, description="Public API port.")
-    api_cidrs: list[str] = Field(
-        default_factory=list,
-        description="IPv4 CIDRs allowed to reach the API port (nothing else is open).",
-    )
-    hf_token_secret: str = Field(
-        default="coral/hf-token",
-        min_length=1,
-        description="Secret-manager name of the Hugging Face token, read by nodes at boot.",
-    )
-    max_model_len: int = Field(default=8192, gt=0)
-    gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    disk_headroom_gb: int = Field(default=100, ge=20, description="Root disk beyond weights.")
-    aws_ami_parameter: str = Field(
-        default="/aws/service/deeplearning/ami/x86_64/"
-        "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
-        description="Public SSM parameter holding the Deep Learning AMI id (per region).",
-    )
-    gcp_image: str = Field(
-        default="projects/deeplearning-platform-release/global/images/family/"
-        "common-cu129-ubuntu-2204-nvidia-580",
-        description="GCP image family (Ubuntu: honours cloud-init user-data).",
-    )
-    gcp_zones: dict[str, str] = Field(
-        default_factory=dict, description="Region -> zone (default <region>-a)."
-    )
-    boot_minutes: float = Field(
-        default=20,
-        gt=0,
-        description="Time a new instance needs to serve (boot, weights, CUDA graphs). A run "
-        "counts it ready only this long after it was first declared; until then the instances "
-        "it replaces keep serving (docs/deploy.md, safe reconfiguration).",
-    )
-    drain_minutes: float = Field(
-        default=5,
-        ge=0,
-        description="How long an instance leaving the plan gets no new requests before it is "
-        "deleted (at the first run after this); its node's stop step then waits for what is "
-        "still in flight.",
-    )
-    rebuild_library: bool = Field(
-        default=False, description="Rebuild a stale template library instead of failing."
-    )
-    gateway: GatewaySettings = Field(
-        default_factory=GatewaySettings, description="One address per model (docs/gateway.md)."
-    )
-
-    @model_validator(mode="after")
-    def _cidrs(self) -> DeploySettings:
-        import ipaddress
-
-        for i, cidr in enumerate(self.api_cidrs):
-            try:
-                ipaddress.IPv4Network(cidr)
-            except ValueError as e:
-                raise ValueError(f"api_cidrs[{i}]: '{cidr}' is not an IPv4 CIDR ({e})") from e
-        return self
-
-
 DemandKind = Literal["config", "file", "prometheus"]
 
 
@@ -343,7 +252,6 @@ class FleetConfig(BaseModel):
     gpu_pools: list[GpuPool] = Field(default_factory=list)
     prices: list[PriceOverride] = Field(default_factory=list)
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
-    deploy: DeploySettings = Field(default_factory=DeploySettings)
     demand_source: DemandSource = Field(
         default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
     )
@@ -399,12 +307,29 @@ class FleetConfig(BaseModel):
         return self
 
 
-def parse_fleet(config: dict[str, Any], source: str) -> FleetConfig:
+DEPLOY_KEY = "deploy"  # the Pulumi program's section of `coral:fleet` (coral_iac.deploy_settings)
+
+
+def fleet_object(config: dict[str, Any], source: str) -> dict[str, Any]:
+    """The `coral:fleet` object of a stack's `config` mapping.
+
+    Raises:
+        InputError: no `coral:fleet` key, or it is not a mapping.
+    """
     if FLEET_KEY not in config:
         raise InputError(
             f"{source}: config", f"no '{FLEET_KEY}' key", f"add a '{FLEET_KEY}' object"
         )
-    return parse_model(FleetConfig, config[FLEET_KEY], f"{source}: {FLEET_KEY}")
+    obj = config[FLEET_KEY]
+    if not isinstance(obj, dict):
+        raise InputError(f"{source}: {FLEET_KEY}", "is not a mapping", "give it keys: models, ...")
+    return obj
+
+
+def parse_fleet(config: dict[str, Any], source: str) -> FleetConfig:
+    """The solver's part of `coral:fleet`: everything but its `deploy` section."""
+    obj = {k: v for k, v in fleet_object(config, source).items() if k != DEPLOY_KEY}
+    return parse_model(FleetConfig, obj, f"{source}: {FLEET_KEY}")
 
 
 def stack_path(stacks_dir: Path, stack: str) -> Path:

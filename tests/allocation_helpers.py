@@ -8,11 +8,11 @@ from __future__ import annotations
 from functools import cache
 from typing import Any
 
-from solver.defaults import load_perf_model
-from solver.library import Library, build_libraries
-from solver.planner import stack_demand
-from solver.profile import PerfModel
+from solver.performance.default_model import load_perf_model
+from solver.performance.perf_model import PerfModel
+from solver.plan.planner import stack_demand
 from solver.stack import FleetConfig
+from solver.templates.library import Library, build_libraries
 
 SMALL_FLEET: dict[str, Any] = {
     "description": "allocation tests",

@@ -2,13 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from datetime import datetime
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from solver.calibration import CalibrationFile, load_helix_dir
-from solver.defaults import load_perf_model
-from solver.profile import PerfModel
+from coral_iac.preview import PreviewResult, preview_stack
+from coral_iac.program import ProgramOptions, utc_now
+from solver.performance.calibration import CalibrationFile, load_helix_dir
+from solver.performance.default_model import load_perf_model
+from solver.performance.perf_model import PerfModel
+from solver.plan.schema import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 HELIX_DIR = REPO.parent / "shared" / "calibration" / "helix"
@@ -23,3 +29,24 @@ def perf() -> PerfModel:
 @pytest.fixture(scope="session")
 def helix_files() -> list[CalibrationFile]:
     return load_helix_dir(HELIX_DIR)
+
+
+@pytest.fixture
+def preview(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., PreviewResult]:
+    """`preview_stack` with one library cache for the whole session, outside the repository;
+    `now` fakes the clock (consecutive deploys), `rebuild_stale` rebuilds a stale library."""
+    library_root = tmp_path_factory.getbasetemp() / "library"
+
+    def run(
+        stack: str,
+        stacks_dir: Path,
+        previous: Plan | None = None,
+        previous_outputs: dict[str, Any] | None = None,
+        now: datetime | None = None,
+        rebuild_stale: bool = False,
+    ) -> PreviewResult:
+        clock = (lambda: now) if now is not None else utc_now
+        options = ProgramOptions(stacks_dir, library_root, None, rebuild_stale, clock)
+        return preview_stack(stack, options, previous, previous_outputs)
+
+    return run

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from solver.template import ServingTemplate, Stage, StageMember
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 
 
 def data_parallel_template(model: str, layers: int) -> ServingTemplate:

@@ -8,12 +8,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.allocation import Column, Problem, solve_allocation
-from solver.market import Market
-from solver.planner import plan_stack
+from solver.allocation.problem import Column, Problem
+from solver.allocation.solve import solve_allocation
+from solver.catalog.market import Market
+from solver.plan.planner import plan_stack
+from solver.plan.validator import validate_plan
 from solver.stack import AllocationSettings
-from solver.template import ServingTemplate, Stage, StageMember
-from solver.validate import validate_plan
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 SLOTS = [

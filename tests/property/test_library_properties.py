@@ -9,15 +9,15 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.defaults import load_perf_model
-from solver.placement import trim_surplus
+from solver.performance.default_model import load_perf_model
 from solver.stack import load_stack
-from solver.template_library import (
+from solver.templates.enumeration import (
     RowSource,
     available_node_configs,
     best_candidate,
     to_template,
 )
+from solver.templates.placement_search import trim_surplus
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 CORE = load_stack(STACKS, "paper-core")

@@ -11,12 +11,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.allocation import Column, Problem, solve_allocation
-from solver.market import Market
-from solver.monolithic import JointModel, solve_joint
-from solver.placement import place_fast
+from solver.allocation.problem import Column, Problem
+from solver.allocation.solve import solve_allocation
+from solver.catalog.market import Market
+from solver.oracles.joint_model import JointModel, solve_joint
 from solver.stack import AllocationSettings
-from solver.template import ServingTemplate, Stage, StageMember
+from solver.templates.placement_search import place_fast
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 
 TYPES = ["a", "b"]
 REGION = ("aws", "r")

@@ -7,7 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.placement import place_chain, place_fast, place_ilp
+from solver.oracles.placement_ilp import place_ilp
+from solver.templates.placement_search import place_chain, place_fast
 
 
 @st.composite

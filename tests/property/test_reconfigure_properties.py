@@ -13,8 +13,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.planner import plan_stack
-from solver.reconfigure import FleetState, member_id, router_peers, served_demand, transition
+from solver.operations.reconfiguration import (
+    FleetState,
+    member_id,
+    router_peers,
+    served_demand,
+    transition,
+)
+from solver.plan.planner import plan_stack
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 START = datetime(2026, 11, 1, tzinfo=UTC)

@@ -8,13 +8,13 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from solver.errors import InputError
 from solver.io import parse_model
-from solver.plan import diff_plans
-from solver.planner import plan_stack
+from solver.plan.planner import plan_stack
+from solver.plan.schema import diff_plans
+from solver.plan.validator import InvalidPlan, validate_plan
 from solver.stack import FleetConfig
-from solver.validate import InvalidPlan, validate_plan
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 REPO = Path(__file__).resolve().parents[2]
@@ -93,9 +93,10 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
     """When scarce, the most-served solve is hinted with the single-config (Cauchy-like)
     most-served plan, phi included, so a time limit never leaves Coral serving less than
     those templates alone (seen on paper-extended-scarce at u = 0.7 before)."""
-    from solver.allocation import FRACTION_STEPS, Problem, _homogeneous_plan, _Model, make_columns
-    from solver.market import build_market
-    from solver.planner import stack_demand
+    from solver.allocation.problem import Problem, make_columns
+    from solver.allocation.solve import FRACTION_STEPS, _homogeneous_plan, _Model
+    from solver.catalog.market import build_market
+    from solver.plan.planner import stack_demand
 
     avail = [
         {"cloud": "aws", "region": r, "node": n, "count": 1}
@@ -146,7 +147,7 @@ def test_budget_limits_the_plan_and_is_reported():
     ],
 )
 def test_validator_rejects_tampered_plans(tamper, message):
-    from solver.plan import Plan
+    from solver.plan.schema import Plan
 
     f = with_rps(3, 4)
     data = plan_for(f).model_dump()
@@ -207,7 +208,7 @@ def test_bad_stack_config_names_the_key_path(change, path):
 
 
 def test_model_without_demand_is_a_clear_error():
-    from solver.planner import stack_demand
+    from solver.plan.planner import stack_demand
 
     f = fleet(
         models={"phi-4": {k: v for k, v in SMALL_FLEET["models"]["phi-4"].items() if k != "demand"}}

@@ -22,7 +22,7 @@ from coral_iac.bootstrap import (
     vllm_argv,
 )
 from solver.errors import InputError
-from solver.template import ServingTemplate, Stage, StageMember
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.factories import data_parallel_template
 from tests.vllm_cli import check_replica

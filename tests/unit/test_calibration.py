@@ -6,9 +6,9 @@ import statistics
 
 import pytest
 
-from solver.calibration import all_abs_rel_errors, error_table, fit, load_calibration
-from solver.catalog import load_catalog
-from solver.model_cards import load_model_cards
+from solver.catalog.model_cards import load_model_cards
+from solver.catalog.offers import load_catalog
+from solver.performance.calibration import all_abs_rel_errors, error_table, fit, load_calibration
 
 
 def test_twelve_calibration_files_are_loaded(helix_files):

@@ -7,9 +7,9 @@ import datetime as dt
 
 import pytest
 
-from solver.catalog import load_catalog, split_node_id
+from solver.catalog.offers import load_catalog, split_node_id
+from solver.catalog.skypilot_import import import_vms_rows
 from solver.errors import InputError
-from solver.skypilot import import_vms_rows
 from tests.conftest import FIXTURES
 
 DAY = dt.date(2026, 11, 29)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from tests.conftest import FIXTURES, HELIX_DIR
 
 runner = CliRunner()
@@ -150,7 +150,7 @@ def test_catalog_show_json_and_table():
 
 
 def test_import_skypilot_writes_loadable_offers(tmp_path):
-    from solver.catalog import load_catalog
+    from solver.catalog.offers import load_catalog
 
     out = tmp_path / "offers.yaml"
     r = run(
@@ -239,10 +239,10 @@ def test_error_messages_keep_brackets():
 def write_profiler_table(folder: Path, model: str, node: str, phase: str, context: int, **meta):
     """A table as `coral profile measure` writes it, timed here by the stored calibration at
     `context` (so the fit's per-file context is what makes it match)."""
-    from solver.calibration import load_calibration
-    from solver.catalog import load_catalog
-    from solver.model_cards import load_model_cards
-    from solver.perf import PerfSettings, analytical_layer_ms
+    from solver.catalog.model_cards import load_model_cards
+    from solver.catalog.offers import load_catalog
+    from solver.performance.analytical import PerfSettings, analytical_layer_ms
+    from solver.performance.calibration import load_calibration
 
     cat, card, cal = load_catalog(), load_model_cards()[model], load_calibration()
     cfg = cat.node(node)

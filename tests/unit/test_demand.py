@@ -14,7 +14,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from coral_iac.demand_sources import (
     PrometheusUnreachable,
     demand_report,
@@ -22,7 +22,8 @@ from coral_iac.demand_sources import (
     refresh_file,
     resolve_demand,
 )
-from solver.demand import (
+from solver.errors import InputError
+from solver.operations.demand_rules import (
     DemandFile,
     MeasuredRates,
     demand_file_text,
@@ -30,7 +31,6 @@ from solver.demand import (
     rate_query,
     rates_demand,
 )
-from solver.errors import InputError
 from solver.stack import Demand, FleetConfig, PrometheusSource, load_stack, parse_fleet
 from tests.conftest import REPO
 
@@ -321,7 +321,7 @@ def test_cli_show_json_and_refresh_of_a_config_stack(monkeypatch):
 
 def test_demand_file_tokens_for_an_aggregated_model_become_requests_per_s():
     """The planner needs requests/s for an aggregated model, whatever unit the file used."""
-    from solver.planner import stack_demand
+    from solver.plan.planner import stack_demand
     from solver.stack import PhaseTokens
 
     fleet = fleet_with()

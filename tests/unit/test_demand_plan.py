@@ -6,7 +6,7 @@ import json
 
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from tests.conftest import REPO
 
 runner = CliRunner()

@@ -21,9 +21,9 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from coral_iac.demand_sources import demand_report
-from solver.demand import DemandFile, load_demand_file
+from solver.operations.demand_rules import DemandFile, load_demand_file
 from solver.stack import load_stack
 from tests.conftest import REPO
 

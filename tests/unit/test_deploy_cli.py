@@ -9,8 +9,7 @@ import subprocess
 import yaml
 from typer.testing import CliRunner
 
-from coral_iac import program
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from tests.conftest import REPO
 
 runner = CliRunner()
@@ -18,13 +17,13 @@ runner = CliRunner()
 
 def test_preview_lists_nodes_and_cost(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
-    r = runner.invoke(app, ["preview", "--stack", "dev", "--json"])
+    library = ["--library", str(tmp_path / "library")]
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
     assert data["outputs"]["hourly_cost_usd"] > 0
     assert any(x["type"] == "aws:ec2/instance:Instance" for x in data["resources"])
-    r = runner.invoke(app, ["preview", "--stack", "dev"])
+    r = runner.invoke(app, ["preview", "--stack", "dev", *library])
     assert r.exit_code == 0 and "aws:us-east-2" in r.stdout and "$/hour" in r.stdout
     assert "starting, 0 retiring, 0 draining" in r.stdout  # a new stack: everything boots
 
@@ -32,22 +31,21 @@ def test_preview_lists_nodes_and_cost(tmp_path, monkeypatch):
 def test_preview_rebuilds_a_stale_local_library(tmp_path, monkeypatch):
     """Offline, `coral preview` rebuilds a stale cache as `coral plan` does."""
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
-    assert runner.invoke(app, ["preview", "--stack", "dev", "--json"]).exit_code == 0
-    for f in (tmp_path / "library" / "dev").glob("*.json"):
+    library = ["--library", str(tmp_path / "library")]
+    assert runner.invoke(app, ["preview", "--stack", "dev", "--json", *library]).exit_code == 0
+    for f in (tmp_path / "library").glob("*.json"):
         doc = json.loads(f.read_text())
         doc["input_hashes"]["perf_model"] = "stale"
         f.write_text(json.dumps(doc))
-    r = runner.invoke(app, ["preview", "--stack", "dev", "--json"])
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
     assert r.exit_code == 0, r.output
-    assert program.REBUILD_STALE is False  # only for that run
 
 
 def test_render_writes_valid_user_data_per_node(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path / "library")
+    library = ["--library", str(tmp_path / "library")]
     out = tmp_path / "ud"
-    r = runner.invoke(app, ["render", "--stack", "dev", "--out", str(out)])
+    r = runner.invoke(app, ["render", "--stack", "dev", "--out", str(out), *library])
     assert r.exit_code == 0, r.output
     files = sorted(out.glob("*.yaml"))
     assert files

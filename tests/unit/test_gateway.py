@@ -17,8 +17,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from coral_iac import program
-from coral_iac.cli import app
+from coral_iac.cli.app import app
 from coral_iac.gateway import (
     WEIGHT_MAX,
     gateway_upstreams,
@@ -27,10 +26,10 @@ from coral_iac.gateway import (
     render_gateway_user_data,
     render_haproxy_config,
 )
-from coral_iac.preview import _ip, preview_stack
+from coral_iac.preview import _ip
 from solver.errors import InputError
-from solver.plan import Instance, Plan, instance_key, template_ref
-from solver.template import ServingTemplate, Stage, StageMember
+from solver.plan.schema import Instance, Plan, instance_key, template_ref
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.unit.test_program import stacks_with
 
@@ -244,10 +243,6 @@ def test_a_configuration_too_large_for_ssm_is_refused():
 # ------------------------------------------------------------------- the program, under mocks
 
 
-@pytest.fixture(autouse=True)
-def library_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
-
 
 def config_of(result) -> str:
     (param,) = result.of_type("aws:ssm/parameter:Parameter")
@@ -263,9 +258,9 @@ def gateway_vm(result):
     return vm
 
 
-def test_program_declares_a_locked_down_gateway(tmp_path):
+def test_program_declares_a_locked_down_gateway(tmp_path, preview):
     stacks = stacks_with(tmp_path, "gw", deploy={"api_cidrs": ["203.0.113.0/24"]})
-    result = preview_stack("gw", stacks)
+    result = preview("gw", stacks)
     vm = gateway_vm(result)
     assert vm.inputs["metadataOptions"]["httpTokens"] == "required"
     assert vm.inputs["rootBlockDevice"]["encrypted"] is True
@@ -313,12 +308,12 @@ def declared(result) -> dict:
     }
 
 
-def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path):
-    first = preview_stack("dev", REPO / "stacks")
+def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path, preview):
+    first = preview("dev", REPO / "stacks")
     doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
     models = doc["config"]["coral:fleet"]["models"]
     models["phi-4"]["demand"] = {"requests_per_s": 2.5}
-    more = preview_stack("dev", stacks_with(tmp_path, "dev", models=models), previous=first.plan)
+    more = preview("dev", stacks_with(tmp_path, "dev", models=models), previous=first.plan)
     assert len(more.plan.instances) > len(first.plan.instances)
     before, after = declared(first), declared(more)
     gateway_keys = [k for k in before if "gateway" in k[1]]
@@ -330,7 +325,7 @@ def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path):
     assert more.outputs["gateway"] == first.outputs["gateway"]
 
 
-def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gateway(tmp_path):
+def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gateway(tmp_path, preview):
     stacks = stacks_with(
         tmp_path,
         "remote",
@@ -338,7 +333,7 @@ def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gatewa
         node_configs=["l4x1", "l4x4", "a100-80gbx1"],
         deploy={"gateway": {"region": "us-east-1", "instance_type": "c7i.xlarge"}},
     )
-    result = preview_stack("remote", stacks)
+    result = preview("remote", stacks)
     assert gateway_vm(result).inputs["instanceType"] == "c7i.xlarge"
     (provider,) = [p for p in result.of_type("pulumi:providers:aws")]
     assert provider.inputs["region"] == "us-east-1"
@@ -356,9 +351,9 @@ def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gatewa
     assert heads and all(f" {_ip('203.0', h.name)}:8000 " in config for h in heads)
 
 
-def test_gateway_can_be_turned_off_and_a_gcp_only_fleet_gets_none_by_default(tmp_path):
-    off = preview_stack("off", stacks_with(tmp_path, "off", deploy={"gateway": {"enabled": False}}))
-    gcp = preview_stack(
+def test_gateway_can_be_turned_off_and_a_gcp_only_fleet_gets_none_by_default(tmp_path, preview):
+    off = preview("off", stacks_with(tmp_path, "off", deploy={"gateway": {"enabled": False}}))
+    gcp = preview(
         "gcp",
         stacks_with(
             tmp_path,
@@ -381,10 +376,10 @@ def test_gateway_can_be_turned_off_and_a_gcp_only_fleet_gets_none_by_default(tmp
     ],
     ids=["gcp_gateway", "interval_too_short", "misspelt_key"],
 )
-def test_bad_gateway_settings_name_the_field(tmp_path, gateway, message):
+def test_bad_gateway_settings_name_the_field(tmp_path, gateway, message, preview):
     stacks = stacks_with(tmp_path, "badgw", deploy={"gateway": gateway})
     with pytest.raises(Exception, match=message):
-        preview_stack("badgw", stacks)
+        preview("badgw", stacks)
 
 
 def test_coral_preview_shows_the_gateway_address_per_model(tmp_path, monkeypatch):
@@ -398,9 +393,9 @@ def test_coral_preview_shows_the_gateway_address_per_model(tmp_path, monkeypatch
     assert outputs["gateway_endpoints"]["phi-4"] == outputs["gateway"] + "/phi-4/v1"
 
 
-def test_a_gateway_in_another_aws_region_keeps_the_fleets_networks(tmp_path):
+def test_a_gateway_in_another_aws_region_keeps_the_fleets_networks(tmp_path, preview):
     stacks = stacks_with(tmp_path, "east1", deploy={"gateway": {"region": "us-east-1"}})
-    result = preview_stack("east1", stacks)
+    result = preview("east1", stacks)
     vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
     # The fleet's region keeps the CIDR of its place in coral:fleet.regions; the gateway's
     # region, outside that list, gets the reserved 10.255.

@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from solver.errors import InputError
-from solver.library import build_libraries, build_library, load_library, save_library
 from solver.stack import load_stack
-from solver.template_library import prune_dominated
+from solver.templates.library import build_libraries, build_library, load_library, save_library
+from solver.templates.pruning import prune_dominated
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from solver.errors import InputError
-from solver.perf import experts_touched, valid_tp_degrees
+from solver.performance.analytical import experts_touched, valid_tp_degrees
 
 
 def test_llama2_70b_does_not_fit_on_one_t4(perf):
@@ -46,7 +46,7 @@ def test_non_positive_sizes_name_the_field(perf, kwargs, field):
 
 
 def test_measured_table_replaces_the_analytical_model(tmp_path):
-    from solver.defaults import load_perf_model
+    from solver.performance.default_model import load_perf_model
 
     (tmp_path / "llama2-70b__l4x1__decode.csv").write_text("0,0\n2,5.0\n10,7.0\n")
     pm = load_perf_model(tmp_path)
@@ -61,7 +61,7 @@ def test_measured_table_replaces_the_analytical_model(tmp_path):
 
 
 def test_malformed_measured_table_names_file_and_line(tmp_path):
-    from solver.defaults import load_perf_model
+    from solver.performance.default_model import load_perf_model
 
     (tmp_path / "llama2-70b__l4x1__decode.csv").write_text("2,5.0\n4,abc\n")
     with pytest.raises(InputError, match=r"decode.csv:2"):
@@ -70,7 +70,7 @@ def test_malformed_measured_table_names_file_and_line(tmp_path):
 
 def test_helix_files_load_as_measured_tables_exactly(tmp_path, helix_files):
     """The calibration files themselves are valid measured tables (same two-column shape)."""
-    from solver.defaults import load_perf_model
+    from solver.performance.default_model import load_perf_model
 
     src = [f for f in helix_files if f.name == "llama2-70b_l4_decode.csv"][0]
     (tmp_path / "llama2-70b__l4x1__decode.csv").write_text(

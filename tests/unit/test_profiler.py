@@ -13,17 +13,17 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from coral_iac.cli import app
-from profiler import suite
-from profiler.cards import tiny_card
-from profiler.device import gpu_id_for
-from profiler.measure import MeasureSpec, measure, run_grid
-from profiler.record import MeasurementRecord
-from profiler.vllm_engine import decode_step_ms, engine_kwargs, per_layer_ms
-from solver.defaults import MEASURED_DIR_ENV, load_perf_model
+from coral_iac.cli.app import app
+from solver.catalog.model_cards import load_model_cards
 from solver.errors import InputError
-from solver.measured import load_measured_dir
-from solver.model_cards import load_model_cards
+from solver.performance.default_model import MEASURED_DIR_ENV, load_perf_model
+from solver.performance.measured_tables import load_measured_dir
+from solver.performance.profiler import suite
+from solver.performance.profiler.cards import tiny_card
+from solver.performance.profiler.device import gpu_id_for
+from solver.performance.profiler.measure import MeasureSpec, measure, run_grid
+from solver.performance.profiler.record import MeasurementRecord
+from solver.performance.profiler.vllm_engine import decode_step_ms, engine_kwargs, per_layer_ms
 
 runner = CliRunner()
 

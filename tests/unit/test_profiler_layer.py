@@ -12,8 +12,9 @@ import math
 import pytest
 import torch
 
-from profiler.cards import tiny_card
-from profiler.layer import (
+from solver.catalog.model_cards import load_model_cards
+from solver.performance.profiler.cards import tiny_card
+from solver.performance.profiler.layer import (
     RMS_EPS,
     ROPE_THETA,
     DecoderLayer,
@@ -21,9 +22,8 @@ from profiler.layer import (
     random_weights,
     rms_norm,
 )
-from profiler.measure import decode_cache
-from profiler.tp import tp_forward
-from solver.model_cards import load_model_cards
+from solver.performance.profiler.measure import decode_cache
+from solver.performance.profiler.tp import tp_forward
 
 DENSE = LayerShape(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=48)
 MOE = LayerShape(hidden=32, heads=4, kv_heads=2, head_dim=8, ffn=16, experts=6, active_experts=2)

@@ -10,19 +10,12 @@ import pulumi
 import pytest
 import yaml
 
-from coral_iac import program
-from coral_iac.preview import preview_stack
-from solver.defaults import load_perf_model
-from solver.reconfigure import member_id, router_peers
+from solver.operations.reconfiguration import member_id, router_peers
+from solver.performance.default_model import load_perf_model
 from tests.conftest import REPO
 
 PERF = load_perf_model()
 
-
-@pytest.fixture(autouse=True)
-def library_cache(tmp_path_factory, monkeypatch):
-    """One library folder for the whole session, outside the repository."""
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
 
 
 def stacks_with(tmp_path: Path, name: str, base: str = "dev", **fleet_changes) -> Path:
@@ -43,8 +36,8 @@ def nodes_of(result):
     )
 
 
-def test_every_planned_node_is_declared_as_specified(tmp_path):
-    result = preview_stack("dev", REPO / "stacks")
+def test_every_planned_node_is_declared_as_specified(tmp_path, preview):
+    result = preview("dev", REPO / "stacks")
     plan = result.plan
     expected = sum(len(i.nodes) for i in plan.instances)
     aws_nodes = [  # GPU nodes; the gateway VM is tested in test_gateway.py
@@ -86,11 +79,11 @@ def test_every_planned_node_is_declared_as_specified(tmp_path):
     assert set(result.outputs["endpoints"]) == {"phi-4"}
 
 
-def test_nothing_is_open_to_the_world_but_the_api_port(tmp_path):
+def test_nothing_is_open_to_the_world_but_the_api_port(tmp_path, preview):
     stacks = stacks_with(
         tmp_path, "open", deploy={"api_cidrs": ["203.0.113.0/24"], "api_port": 8443}
     )
-    result = preview_stack("open", stacks)
+    result = preview("open", stacks)
     groups = result.of_type("aws:ec2/securityGroup:SecurityGroup")
     assert groups
     for g in groups:
@@ -105,7 +98,7 @@ def test_nothing_is_open_to_the_world_but_the_api_port(tmp_path):
         assert not any(r.get("fromPort") == 22 for r in g.inputs.get("ingress", []))
 
 
-def test_gcp_nodes_and_firewalls(tmp_path):
+def test_gcp_nodes_and_firewalls(tmp_path, preview):
     stacks = stacks_with(
         tmp_path,
         "g",
@@ -113,7 +106,7 @@ def test_gcp_nodes_and_firewalls(tmp_path):
         node_configs=["l4x1", "l4x4", "a100-80gbx1"],
         deploy={"api_cidrs": ["198.51.100.0/24"]},
     )
-    result = preview_stack("g", stacks)
+    result = preview("g", stacks)
     nodes = result.of_type("gcp:compute/instance:Instance")
     assert len(nodes) == sum(len(i.nodes) for i in result.plan.instances) > 0
     for n in nodes:
@@ -134,10 +127,10 @@ def test_gcp_nodes_and_firewalls(tmp_path):
             assert fw.inputs["sourceTags"] == fw.inputs["targetTags"]
 
 
-def test_user_data_never_holds_the_token(tmp_path, monkeypatch):
+def test_user_data_never_holds_the_token(tmp_path, monkeypatch, preview):
     monkeypatch.setenv("HF_TOKEN", "hf_SECRET_VALUE_1234")
     pulumi.runtime.set_all_config({"coral:hfToken": "hf_SECRET_VALUE_1234"}, ["coral:hfToken"])
-    result = preview_stack("dev", REPO / "stacks")
+    result = preview("dev", REPO / "stacks")
     for n in nodes_of(result):
         assert "hf_SECRET_VALUE_1234" not in json.dumps(n.inputs)
 
@@ -154,32 +147,32 @@ def declared(result) -> dict:
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
 
 
-def test_second_run_with_previous_outputs_changes_nothing():
+def test_second_run_with_previous_outputs_changes_nothing(preview):
     """A rerun changes nothing, before the new fleet has booted and after (starting
     instances already get requests once their health checks pass)."""
     stacks = REPO / "stacks"
-    first = preview_stack("dev", stacks, now=T0)
-    second = preview_stack("dev", stacks, previous_outputs=first.outputs, now=T0)
+    first = preview("dev", stacks, now=T0)
+    second = preview("dev", stacks, previous_outputs=first.outputs, now=T0)
     assert declared(first) == declared(second)
     assert len(first.resources) == len(second.resources)
     assert set(second.outputs["instances_by_state"]["starting"]) == {
         member_id(i.key, router_peers(first.plan, i)) for i in first.plan.instances
     }
     booted = T0 + timedelta(hours=1)
-    third = preview_stack("dev", stacks, previous_outputs=second.outputs, now=booted)
+    third = preview("dev", stacks, previous_outputs=second.outputs, now=booted)
     assert declared(third) == declared(second)
     assert set(third.outputs["instances_by_state"]["ready"]) == set(
         second.outputs["instances_by_state"]["starting"]
     )
 
 
-def test_demand_increase_only_adds_resources(tmp_path):
-    first = preview_stack("dev", REPO / "stacks")
+def test_demand_increase_only_adds_resources(tmp_path, preview):
+    first = preview("dev", REPO / "stacks")
     doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
     models = doc["config"]["coral:fleet"]["models"]
     models["phi-4"]["demand"] = {"requests_per_s": 2.5}
     stacks = stacks_with(tmp_path, "dev", models=models)
-    more = preview_stack("dev", stacks, previous=first.plan)
+    more = preview("dev", stacks, previous=first.plan)
     before = {
         (r.type, r.name): r.inputs
         for r in first.resources
@@ -206,31 +199,31 @@ def test_demand_increase_only_adds_resources(tmp_path):
         ({"node_configs": ["l4x1"]}, "serves none of the demand"),
     ],
 )
-def test_bad_config_or_unrunnable_plan_fails_the_preview(tmp_path, changes, message):
+def test_bad_config_or_unrunnable_plan_fails_the_preview(tmp_path, changes, message, preview):
     name = f"bad-{abs(hash(json.dumps(changes, sort_keys=True))) % 10**8}"
     stacks = stacks_with(tmp_path, name, **changes)
     with pytest.raises(Exception, match=message):
-        preview_stack(name, stacks)
+        preview(name, stacks)
 
 
-def test_a_stale_library_is_refused_unless_rebuild_is_asked(tmp_path):
-    preview_stack("stale", stacks_with(tmp_path, "stale"))
+def test_a_stale_library_is_refused_unless_rebuild_is_asked(tmp_path, preview):
+    preview("stale", stacks_with(tmp_path, "stale"))
     changed = stacks_with(tmp_path, "stale", node_configs=["l4x1", "l4x4", "l40sx1"])
     with pytest.raises(Exception, match="stale library: input.* changed.*node_configs"):
-        preview_stack("stale", changed)
+        preview("stale", changed)
     rebuilt = stacks_with(
         tmp_path, "stale", node_configs=["l4x1", "l4x4", "l40sx1"], deploy={"rebuild_library": True}
     )
-    assert preview_stack("stale", rebuilt).plan.served_fraction == 1
+    assert preview("stale", rebuilt).plan.served_fraction == 1
 
 
-def test_region_networks_do_not_renumber_when_the_plan_uses_fewer_regions(tmp_path):
+def test_region_networks_do_not_renumber_when_the_plan_uses_fewer_regions(tmp_path, preview):
     """A region's CIDR comes from its place in coral:fleet.regions, not from the plan."""
     two = [{"cloud": "aws", "region": "us-west-2"}, {"cloud": "aws", "region": "us-east-2"}]
     nodes = ["l4x1", "l4x4", "a10gx1", "a10gx4", "l40sx1"]  # dev's node configs
     none_west = [{"cloud": "aws", "region": "us-west-2", "node": n, "count": 0} for n in nodes]
     stacks = stacks_with(tmp_path, "dev", regions=two, availability=none_west)
-    result = preview_stack("dev", stacks)
+    result = preview("dev", stacks)
     assert {i.region for i in result.plan.instances} == {"us-east-2"}
     vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
     assert vpcs["vpc-us-east-2"] == "10.1.0.0/16"  # its place in the list, not in the plan

@@ -14,13 +14,10 @@ import gzip
 import re
 from datetime import UTC, datetime, timedelta
 
-import pytest
 import yaml
 
-from coral_iac import program
 from coral_iac.infra import slug
-from coral_iac.preview import preview_stack
-from solver.reconfigure import FleetState, served_demand
+from solver.operations.reconfiguration import FleetState, served_demand
 from tests.conftest import REPO
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -31,10 +28,6 @@ GPT = {
     "workload": "Azure Code",
 }
 
-
-@pytest.fixture(autouse=True)
-def library_cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setattr(program, "LIBRARY_ROOT", tmp_path_factory.getbasetemp() / "library")
 
 
 def stacks_for(tmp_path, phi: float, gpt: float):
@@ -62,7 +55,7 @@ def gateway_servers(result) -> dict[str, str]:
     }
 
 
-def test_capacity_holds_over_up_down_and_shift(tmp_path):
+def test_capacity_holds_over_up_down_and_shift(tmp_path, preview):
     # up (a bigger template replaces a smaller one: it retires while the new one boots),
     # settle, down, settle, shift to the other model, settle, settled
     steps = [(1.0, 1.0), (6.0, 1.0), (6.0, 1.0), (0.5, 1.0), (0.5, 1.0)]
@@ -70,7 +63,7 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path):
     outputs, before, previous, previous_nodes = None, {}, None, {}
     seen = set()
     for n, (phi, gpt) in enumerate(steps):
-        result = preview_stack(
+        result = preview(
             "dev",
             stacks_for(tmp_path, phi, gpt),
             previous_outputs=outputs,
@@ -117,13 +110,13 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path):
     assert set(previous.by_state()["ready"]) == set(previous.members)
 
 
-def test_a_model_removed_from_the_stack_is_deleted_not_a_crash(tmp_path):
-    first = preview_stack("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
+def test_a_model_removed_from_the_stack_is_deleted_not_a_crash(tmp_path, preview):
+    first = preview("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
     doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
     folder = tmp_path / "only-phi"
     folder.mkdir()
     (folder / "Pulumi.dev.yaml").write_text(yaml.safe_dump(doc))
-    later = preview_stack(
+    later = preview(
         "dev", folder, previous_outputs=first.outputs, now=T0 + timedelta(hours=1)
     )
     state = FleetState.model_validate_json(later.outputs["fleet_state"])

@@ -13,14 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.errors import InputError
-from solver.simulator import (
+from solver.simulation.simulator import (
     _aggregated_pass,
     _decode_pass,
     _prefill_pass,
     simulate,
     smooth_wrr,
 )
-from solver.traces import WorkloadShape, generate_trace, load_trace_csv
+from solver.simulation.traces import WorkloadShape, generate_trace, load_trace_csv
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 
@@ -152,7 +152,7 @@ def test_a_plan_simulated_below_capacity_meets_its_slos():
     every request at the mean lengths), queues stay short and requests meet both SLOs. With
     heavy-tailed prompts, long prompts miss a fixed TTFT SLO at any load: see docs/simulator.md."""
     f = fleet()
-    from solver.planner import plan_stack
+    from solver.plan.planner import plan_stack
 
     plan = plan_stack("test", f, perf().catalog, libraries())
     traces = {
@@ -178,7 +178,7 @@ def test_a_plan_simulated_below_capacity_meets_its_slos():
 def test_cli_simulate_json(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from coral_iac.cli import app
+    from coral_iac.cli.app import app
     from tests.conftest import REPO
 
     monkeypatch.chdir(REPO)
@@ -215,7 +215,7 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
 
 
 def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
-    from solver.simulator import InstanceModel
+    from solver.templates.instance_model import InstanceModel
     from tests.factories import data_parallel_template, single_node_template
 
     pm = perf()
@@ -231,7 +231,7 @@ def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
 def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    from coral_iac.cli import app
+    from coral_iac.cli.app import app
     from tests.conftest import REPO
 
     (tmp_path / "stacks").symlink_to(REPO / "stacks")  # the library cache lands in tmp_path
@@ -256,7 +256,7 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
 
 
 def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
-    from solver.epochs import run_epochs
+    from solver.simulation.epochs import run_epochs
 
     f = fleet()
     # cold start, start-up as long as the epoch: nothing new serves in epoch 0; epoch 1 keeps
@@ -278,8 +278,8 @@ def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
 
 def test_library_and_simulator_agree_on_each_templates_capacity():
     """Each template driven alone past its capacity sustains its library throughput (10%)."""
-    from solver.planner import plan_stack
-    from solver.simulator import capacity_check
+    from solver.plan.planner import plan_stack
+    from solver.simulation.simulator import capacity_check
 
     f = fleet()
     plan = plan_stack("test", f, perf().catalog, libraries())
@@ -307,21 +307,21 @@ def test_a_decode_pipeline_holds_kv_for_every_micro_batch_in_flight():
 def test_cli_bench_reports_a_failed_solve_and_goes_on(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import solver.planner
-    from coral_iac.cli import app
+    import solver.plan.planner as planner_module
+    from coral_iac.cli.app import app
     from solver.errors import InputError
     from tests.conftest import REPO
 
     (tmp_path / "stacks").symlink_to(REPO / "stacks")
     monkeypatch.chdir(tmp_path)
-    real = solver.planner.plan_stack
+    real = planner_module.plan_stack
 
     def flaky(*args, method="coral", **kwargs):
         if method == "cauchy":
             raise InputError("allocation", "the cost solve ended not solved", "raise the limit")
         return real(*args, method=method, **kwargs)
 
-    monkeypatch.setattr(solver.planner, "plan_stack", flaky)
+    monkeypatch.setattr(planner_module, "plan_stack", flaky)
     out = tmp_path / "bench"
     r = CliRunner().invoke(
         app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out), "--duration", "30"]

@@ -1,0 +1,127 @@
+"""`coral preview` and `coral render`: the Pulumi program, offline, for everyone.
+
+Both run `coral_iac/program.py` in-process under Pulumi's mocks (`coral_iac/preview.py`):
+the same code `pulumi preview` runs, with no Pulumi CLI and no cloud credentials.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from coral_iac.cli.console import LIBRARY_ROOT, STACKS_DIR, err, out, print_json, reports_errors
+
+NODE_TYPES = ("aws:ec2/instance:Instance", "gcp:compute/instance:Instance")
+
+
+def _run(stack: str, previous: Path | None, library: Path | None) -> Any:
+    import pulumi
+
+    from coral_iac.cli.plan import load_plan
+    from coral_iac.preview import preview_stack
+    from coral_iac.program import ProgramOptions
+    from solver.errors import CoralError
+
+    running = load_plan(previous) if previous is not None else None
+    # Offline, a stale local library is rebuilt, as `coral plan` does.
+    options = ProgramOptions(STACKS_DIR, LIBRARY_ROOT, library, rebuild_stale=True)
+    try:
+        return preview_stack(stack, options, running), running
+    except pulumi.RunError as e:
+        raise CoralError(str(e)) from None
+
+
+def preview(
+    stack: Annotated[str, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")],
+    previous: Annotated[
+        Path | None, typer.Option(help="The running plan.json (default: a new stack).")
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    library: Annotated[
+        Path | None,
+        typer.Option(help="Template-library folder (default .coral/library/<stack>)."),
+    ] = None,
+) -> None:
+    """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
+    from coral_iac.program import cost_diff_table
+    from solver.operations.reconfiguration import FleetState
+
+    result, running = _run(stack, previous, library)
+    nodes = [r for r in result.resources if r.type in NODE_TYPES and not _is_gateway(r)]
+    if as_json:
+        print_json(
+            {
+                "outputs": {k: v for k, v in result.outputs.items() if k != "plan"},
+                "resources": [{"type": r.type, "name": r.name} for r in result.resources],
+            }
+        )
+        return
+    by_region: dict[str, list[Any]] = {}
+    for n in nodes:
+        tags = n.inputs.get("tags") or {}
+        if isinstance(tags, dict) and "coral:replica" in tags:
+            replica, node = tags["coral:replica"], tags["coral:node"]
+        else:  # GCP labels
+            labels = n.inputs.get("labels", {})
+            replica, node = labels.get("coral-replica", n.name), labels.get("coral-node", "?")
+        region = replica.split("/")[2] if replica.count("/") >= 3 else "?"
+        machine = n.inputs.get("instanceType") or n.inputs.get("machineType")
+        by_region.setdefault(region, []).append((replica, node, machine, n.name))
+    for region, rows in sorted(by_region.items()):
+        table = Table(title=f"{region}: {len(rows)} GPU nodes")
+        for col in ("serving instance (replica key)", "node", "instance type"):
+            table.add_column(col)
+        for replica, node, machine, _ in sorted(rows):
+            table.add_row(replica, str(node), str(machine))
+        out.print(table)
+    shared: dict[str, int] = {}
+    for r in result.resources:
+        if r.type not in NODE_TYPES and r.type != "coral:fleet:ServingInstance":
+            shared[r.type] = shared.get(r.type, 0) + 1
+    out.print(
+        "Shared resources: "
+        + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
+    )
+    state = FleetState.model_validate_json(result.outputs["fleet_state"])
+    out.print(cost_diff_table(running, result.plan, state))
+    for model, urls in sorted((result.outputs.get("endpoints") or {}).items()):
+        out.print(f"{model}: {', '.join(urls)}  (mock addresses)")
+    if "gateway" in result.outputs:
+        (vm,) = [r for r in result.resources if r.type in NODE_TYPES and _is_gateway(r)]
+        out.print(f"Gateway ({vm.inputs.get('instanceType')}): {result.outputs['gateway']}")
+        for model, url in sorted(result.outputs["gateway_endpoints"].items()):
+            out.print(f"  {model}: {url}  (one address per model; mock address)")
+
+
+def _is_gateway(resource: Any) -> bool:
+    return (resource.inputs.get("tags") or {}).get("coral:role") == "gateway"
+
+
+def render(
+    stack: Annotated[str, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the user-data files.")],
+    previous: Annotated[Path | None, typer.Option(help="The running plan.json.")] = None,
+    library: Annotated[
+        Path | None,
+        typer.Option(help="Template-library folder (default .coral/library/<stack>)."),
+    ] = None,
+) -> None:
+    """Write every node's rendered cloud-init user-data, one file per node."""
+    result, _ = _run(stack, previous, library)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for r in result.resources:
+        if r.type not in NODE_TYPES:
+            continue
+        text = r.inputs.get("userData") or (r.inputs.get("metadata") or {}).get("user-data")
+        (out_dir / f"{r.name}.yaml").write_text(text, encoding="utf-8")
+        count += 1
+    err.print(f"Wrote {count} user-data files to {out_dir}")
+
+
+def register(app: typer.Typer) -> None:
+    app.command("preview")(reports_errors(preview))
+    app.command("render")(reports_errors(render))

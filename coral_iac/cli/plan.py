@@ -1,0 +1,215 @@
+"""`coral plan`: solve a stack's allocation (or a baseline), validate it, show and diff plans."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from coral_iac.cli.console import (
+    LIBRARY_ROOT,
+    STACKS_DIR,
+    err,
+    out,
+    print_json,
+    progress_bar,
+    reports_errors,
+    warn,
+)
+
+plan_app = typer.Typer(
+    help="Plan a stack: the cheapest template instances per region that meet demand.",
+    invoke_without_command=True,
+)
+EXIT_SCARCE = 3
+
+
+@plan_app.callback()
+@reports_errors
+def plan(
+    ctx: typer.Context,
+    stack: Annotated[
+        str | None, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")
+    ] = None,
+    baseline: Annotated[str | None, typer.Option(help="Run a baseline: homo or cauchy.")] = None,
+    previous: Annotated[
+        Path | None, typer.Option(help="The running plan (start-up penalty counts from it).")
+    ] = None,
+    out_file: Annotated[Path | None, typer.Option("--out", help="Write plan.json here.")] = None,
+    library: Annotated[
+        Path | None,
+        typer.Option(
+            help="Template-library folder (default .coral/library/<stack>; built if missing or stale)."
+        ),
+    ] = None,
+    workers: Annotated[int, typer.Option(help="Worker processes for a library build.")] = 2,
+    strict: Annotated[
+        bool, typer.Option(help="Exit 3 when demand cannot be fully served.")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Solve the allocation for a stack and print (and optionally write) the plan."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from solver.errors import InputError
+
+    if stack is None:
+        raise InputError("--stack", "missing", "pass --stack NAME (a stacks/Pulumi.<NAME>.yaml)")
+    if baseline not in (None, "homo", "cauchy"):
+        raise InputError("--baseline", f"unknown baseline '{baseline}'", "use homo or cauchy")
+    result = make_plan(stack, baseline or "coral", previous, library, workers)
+    if out_file is not None:
+        out_file.parent.mkdir(parents=True, exist_ok=True)
+        out_file.write_text(result.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    if as_json:
+        print_json(plan_json(result))
+    else:
+        show_plan(result)
+        if out_file is not None:
+            err.print(f"Wrote {out_file}")
+    if strict and result.served_fraction < 1:
+        raise typer.Exit(EXIT_SCARCE)
+
+
+def make_plan(
+    stack: str, method: str, previous: Path | None, library: Path | None, workers: int
+) -> Any:
+    """Load the stack, its libraries and the running plan; solve; validate; return the plan."""
+    from coral_iac.demand_sources import resolve_demand
+    from solver.performance.default_model import load_perf_model
+    from solver.plan.planner import plan_with_library
+    from solver.stack import load_stack
+
+    # The same demand the Pulumi program plans for: the stack's demand source.
+    fleet = resolve_demand(
+        load_stack(STACKS_DIR, stack),
+        stack,
+        STACKS_DIR,
+        warn=warn,
+    )
+    perf = load_perf_model()
+    running = load_plan(previous) if previous is not None else None
+    with progress_bar() as bar:
+        tasks: dict[Any, Any] = {}
+
+        def progress(job: Any, done: int, total: int) -> None:
+            if job not in tasks:
+                tasks[job] = bar.add_task(f"templates {job[0]} {job[1]}", total=total)
+            bar.update(tasks[job], completed=done)
+
+        return plan_with_library(
+            stack,
+            fleet,
+            perf,
+            library or LIBRARY_ROOT / stack,
+            running,
+            method,  # type: ignore[arg-type]
+            workers,
+            progress,
+        )
+
+
+def load_plan(path: Path) -> Any:
+    from solver.errors import InputError
+    from solver.io import parse_model
+    from solver.plan.schema import Plan
+
+    if not path.exists():
+        raise InputError(
+            str(path), "no such plan file", "pass a plan.json written by `coral plan --out`"
+        )
+    import json
+
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as e:
+        raise InputError(
+            str(path), f"not JSON: {e}", "pass a plan.json written by `coral plan --out`"
+        ) from e
+    return parse_model(Plan, data, str(path))
+
+
+def plan_json(p: Any) -> dict[str, Any]:
+    data: dict[str, Any] = p.model_dump(mode="json")
+    data["status"] = p.solver.status if p.solver else "greedy"
+    data["solve_seconds"] = p.solver.solve_seconds if p.solver else 0.0
+    return data
+
+
+def show_plan(p: Any) -> None:
+    title = (
+        f"Plan {p.stack} ({p.method}, mode {p.mode}): {p.hourly_cost_usd:,.2f} $/hour, "
+        f"{len(p.instances)} instances, served {100 * p.served_fraction:.1f}%"
+    )
+    table = Table(title=title)
+    for col in (
+        "model",
+        "phase",
+        "instances",
+        "templates (region: count)",
+        "throughput / demand",
+        "$/hour",
+    ):
+        table.add_column(col, justify="right" if col in ("instances", "$/hour") else "left")
+    for job in p.jobs:
+        mine: dict[str, int] = {}
+        for i in p.instances:
+            if (i.model, i.phase) == (job.model, job.phase):
+                k = f"{i.cloud}:{i.region} {i.template}"
+                mine[k] = mine.get(k, 0) + 1
+        table.add_row(
+            job.model,
+            job.phase,
+            str(job.instances),
+            "\n".join(f"{k}: {n}" for k, n in sorted(mine.items())) or "-",
+            f"{job.throughput:,.0f} / {job.demand:,.0f} {job.unit}",
+            f"{job.usd_per_hour:,.2f}",
+        )
+    out.print(table)
+    if p.solver:
+        s = p.solver
+        err.print(
+            f"Solver {s.backend}: {s.status}, objective {s.objective:,.2f} (incl. start-up penalty "
+            f"{p.startup_penalty_usd_per_hour:,.2f}), bound {s.best_bound:,.2f}, gap {100 * s.gap:.2f}%, "
+            f"{s.solve_seconds:.2f} s"
+        )
+    for line in p.binding:
+        err.print(f"[yellow]Limited by:[/] {line}", highlight=False)
+
+
+@plan_app.command("diff")
+@reports_errors
+def plan_diff(
+    old: Annotated[Path, typer.Argument(help="The running plan.json.")],
+    new: Annotated[Path, typer.Argument(help="The proposed plan.json.")],
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Instances added and removed, and the $/hour change per model."""
+    from solver.plan.schema import diff_plans
+
+    a, b = load_plan(old), load_plan(new)
+    diff = diff_plans(a, b)
+    if as_json:
+        print_json(diff)
+        return
+    table = Table(title=f"{old} -> {new}: {diff['hourly_cost_delta_usd']:+,.2f} $/hour")
+    for col in ("model", "added", "removed", "$/hour before", "$/hour after", "change"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for m, row in diff["by_model"].items():
+        table.add_row(
+            m,
+            str(row["added"]),
+            str(row["removed"]),
+            f"{row['before']:,.2f}",
+            f"{row['after']:,.2f}",
+            f"{row['after'] - row['before']:+,.2f}",
+        )
+    out.print(table)
+    for k in diff["added"]:
+        out.print(f"[green]+ {k}[/]", highlight=False)
+    for k in diff["removed"]:
+        out.print(f"[red]- {k}[/]", highlight=False)
+    if not diff["added"] and not diff["removed"]:
+        out.print("No change.")

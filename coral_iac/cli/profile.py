@@ -1,0 +1,267 @@
+"""`coral profile`: layer times, profile tables T̂, calibration, and GPU measurements."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+import yaml
+from rich.table import Table
+
+from coral_iac.cli.console import MeasuredOpt, err, out, print_json, reports_errors
+from solver.types import Phase
+
+profile_app = typer.Typer(
+    help="The performance model: layer times and profile tables T̂.", no_args_is_help=True
+)
+DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
+
+
+
+@profile_app.command("layer-time")
+@reports_errors
+def profile_layer_time(
+    model: Annotated[str, typer.Option(help="Model id, e.g. llama2-70b.")],
+    node: Annotated[str, typer.Option(help="Node config <gpu>x<count>, e.g. l4x1.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    batch: Annotated[int | None, typer.Option(help="Decode batch (sequences).")] = None,
+    tokens: Annotated[int | None, typer.Option(help="Prefill batch (prompt tokens).")] = None,
+    context: Annotated[
+        float | None,
+        typer.Option(
+            help="Decode context, or prefill prompt length, in tokens (default: the calibration's "
+            "fitted values, the lengths the measurements were taken at)."
+        ),
+    ] = None,
+    measured: MeasuredOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Time of one transformer layer on one node (TP across the node's GPUs)."""
+    from solver.errors import InputError
+    from solver.performance.calibration import load_calibration
+    from solver.performance.default_model import load_perf_model
+
+    ph = _phase(phase)
+    size = batch if ph == "decode" else tokens
+    if size is None:
+        need = "--batch" if ph == "decode" else "--tokens"
+        raise InputError(need, f"required for --phase {ph}", f"pass {need} N")
+    cal = load_calibration()
+    ctx = context or (cal.decode_context_tokens if ph == "decode" else cal.prefill_prompt_tokens)
+    pm = load_perf_model(measured)
+    lt = pm.layer_time(model, node, ph, size, ctx)
+    result = {
+        "model": model,
+        "node": pm.catalog.node(node).id,
+        "phase": ph,
+        "size": size,
+        "context": ctx,
+        "ms_per_layer": round(lt.ms, 6),
+        "tp": lt.tp,
+        "source": lt.source,
+    }
+    if as_json:
+        print_json(result)
+    else:
+        out.print(
+            f"{model} on {result['node']} ({ph}, size {size}, context {ctx:g}): "
+            f"[bold]{lt.ms:.3f} ms[/] per layer (TP={lt.tp}, {lt.source})"
+        )
+
+
+def _phase(phase: str) -> Phase:
+    from solver.errors import InputError
+
+    if phase not in ("prefill", "decode"):
+        raise InputError("--phase", f"unknown phase '{phase}'", "use prefill or decode")
+    return phase  # type: ignore[return-value]
+
+
+@profile_app.command("table")
+@reports_errors
+def profile_table(
+    model: Annotated[str, typer.Option(help="Model id, e.g. qwen3-32b.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    budget_ms: Annotated[float, typer.Option(help="Per-stage latency budget, ms.")],
+    context: Annotated[
+        float, typer.Option(help="Decode context / prefill prompt length, tokens.")
+    ] = 1024,
+    node: Annotated[list[str] | None, typer.Option(help="Only these node configs.")] = None,
+    no_hop: Annotated[
+        bool,
+        typer.Option(
+            "--no-hop", help="Do not charge the hop to a next stage (single-stage replicas)."
+        ),
+    ] = False,
+    measured: MeasuredOpt = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """T̂_j(c): the most tokens/s each node config delivers holding j layers within the budget."""
+    from solver.performance.default_model import load_perf_model
+
+    pm = load_perf_model(measured)
+    entries = pm.profile_table(model, _phase(phase), budget_ms, node, context, hop=not no_hop)
+    if as_json:
+        print_json([e.__dict__ for e in entries])
+        return
+    by_node: dict[str, list[Any]] = {}
+    for e in entries:
+        by_node.setdefault(e.node, []).append(e)
+    table = Table(
+        title=f"T̂ for {model} {phase}, budget {budget_ms:g} ms per stage "
+        f"(tokens/s at j layers; * = measured table)"
+    )
+    for col in ("node", "max j", "TP", "T̂ at j=1", "T̂ at j=max/2", "T̂ at max j", "batch at max j"):
+        table.add_column(col, justify="left" if col == "node" else "right")
+    nodes = node or list(pm.catalog.node_configs)
+    for n in nodes:
+        es = by_node.get(pm.catalog.node(n).id, [])
+        if not es:
+            table.add_row(n, "0", "-", "-", "-", "-", "-")
+            continue
+        mark = "*" if es[0].source == "measured" else ""
+        mid = es[(len(es) - 1) // 2]
+        table.add_row(
+            f"{n}{mark}",
+            str(es[-1].layers),
+            str(es[-1].tp),
+            f"{es[0].tokens_per_s:,.0f}",
+            f"{mid.tokens_per_s:,.0f} (j={mid.layers})",
+            f"{es[-1].tokens_per_s:,.0f}",
+            str(es[-1].batch),
+        )
+    out.print(table)
+
+
+@profile_app.command("calibrate")
+@reports_errors
+def profile_calibrate(
+    data: Annotated[Path, typer.Option(help="Folder of Helix per-layer CSVs.")] = DEFAULT_HELIX_DIR,
+    write: Annotated[
+        bool,
+        typer.Option(
+            help="Refit and write solver/data/calibration.yaml (else: check the stored fit)."
+        ),
+    ] = False,
+    doc: Annotated[
+        Path | None, typer.Option(help="Write the error table as Markdown here.")
+    ] = None,
+    measured: Annotated[
+        Path | None,
+        typer.Option(
+            help="Also fit to this folder of `coral profile measure` tables (one-GPU, TP 1), "
+            "e.g. the output of scripts/profile_gpu.",
+        ),
+    ] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Per-file error of the performance model against the measured timings (and refit)."""
+    from coral_iac.cli.reports import calibration_markdown
+    from solver.catalog.model_cards import load_model_cards
+    from solver.catalog.offers import load_catalog
+    from solver.io import data_path
+    from solver.performance.calibration import (
+        error_table,
+        fit,
+        load_calibration,
+        load_helix_dir,
+        load_profiler_dir,
+    )
+
+    files, cards, cat = load_helix_dir(data), load_model_cards(), load_catalog()
+    source = "Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/"
+    command = "coral profile calibrate --write"
+    if measured is not None:
+        files += load_profiler_dir(measured, cat)
+        source += f"; coral profile measure tables, {measured}"
+        command += f" --measured {measured}"
+    cal = fit(files, cards, cat, source=source, command=command) if write else load_calibration()
+    if write:
+        path = data_path("calibration.yaml")
+        header = "# Fitted efficiency factors of the performance model. Generated: do not edit.\n"
+        path.write_text(header + yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False))
+        err.print(f"Wrote {path}")
+    rows = error_table(files, cards, cat, cal)
+    if as_json:
+        print_json([r.__dict__ for r in rows])
+    md = calibration_markdown(rows, cal, files, cards, cat)
+    if doc:
+        doc.write_text(md, encoding="utf-8")
+        err.print(f"Wrote {doc}")
+    if not as_json:
+        sys.stdout.write(md)
+
+
+@profile_app.command("measure")
+@reports_errors
+def profile_measure(
+    ctx: typer.Context,
+    model: Annotated[str, typer.Option(help="Model id, e.g. llama2-70b.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    out_dir: Annotated[Path, typer.Option("--out", help="Folder for the CSV and JSON sidecar.")],
+    batches: Annotated[
+        str | None, typer.Option(help="Decode batch sizes, e.g. 1,8,64 (default 1..256).")
+    ] = None,
+    tokens: Annotated[
+        str | None, typer.Option(help="Prefill token counts, e.g. 128,1024 (default 128..16384).")
+    ] = None,
+    context: Annotated[
+        int, typer.Option(help="Decode: KV-cache tokens per sequence; prefill: prompt length.")
+    ] = 1024,
+    engine: Annotated[str, typer.Option(help="torch (one layer) or vllm (the engine).")] = "torch",
+    tp: Annotated[int, typer.Option(help="Tensor-parallel degree over local GPUs.")] = 1,
+    node: Annotated[
+        str | None, typer.Option(help="Node config to name the table (default <gpu>x<tp>).")
+    ] = None,
+    device: Annotated[str, typer.Option(help="auto, cuda or cpu.")] = "auto",
+    dtype: Annotated[
+        str | None, typer.Option(help="bfloat16 (GPU default), float16, float32 (CPU default).")
+    ] = None,
+    warmup: Annotated[int, typer.Option(help="Untimed calls per size.")] = 3,
+    repeats: Annotated[int, typer.Option(help="Timed calls per size (median kept).")] = 10,
+    seed: Annotated[int, typer.Option(help="Seed of weights and inputs.")] = 0,
+    budget_s: Annotated[
+        float | None, typer.Option(help="Stop adding larger sizes after this many seconds.")
+    ] = None,
+    tiny: Annotated[
+        bool, typer.Option("--tiny", help="A toy-sized layer of the same kind (smoke runs).")
+    ] = False,
+    hf_config: Annotated[
+        str | None, typer.Option(help="vllm: config folder or HF repo (default: the card's).")
+    ] = None,
+    vllm_layers: Annotated[str, typer.Option(help="vllm: the two layer counts L1,L2.")] = "2,6",
+) -> None:
+    """Time one decoder layer on the local GPU (or CPU) and write a measured table.
+
+    Needs the optional extra: pip install 'coral-iac\\[profile]'.
+    """
+    try:
+        import torch  # noqa: F401
+
+        from solver.performance.profiler.command import parse_sizes, run_measure
+        from solver.performance.profiler.measure import MeasureSpec
+    except ImportError as exc:
+        # Printed without Rich markup, which would swallow "[profile]".
+        err.print(
+            f"Error: coral profile measure: the profiler needs torch, which cannot be imported "
+            f"({exc})\n  To fix: pip install 'coral-iac[profile]'",
+            markup=False,
+            highlight=False,
+        )
+        raise typer.Exit(1) from None
+    ph = _phase(phase)
+    given = [(p.opts[0], ctx.params[p.name or ""]) for p in ctx.command.params]
+    command = " ".join(
+        ["coral profile measure"]
+        + [opt if v is True else f"{opt} {v}" for opt, v in given if v not in (None, False)]
+    )
+    spec = MeasureSpec(
+        model, ph, parse_sizes(batches if ph == "decode" else tokens, ph), context, device,
+        dtype, warmup, repeats, seed, tp, node, budget_s, command,
+    )  # fmt: skip
+    path, record = run_measure(spec, out_dir, engine, tiny, hf_config, vllm_layers, err.print)
+    err.print(f"Wrote {path} ({len(record.points)} sizes, {record.device}, {record.dtype})")
+
+

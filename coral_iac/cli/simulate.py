@@ -1,0 +1,186 @@
+"""`coral simulate`: replay generated (or real) traces against a plan in the event simulator."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.table import Table
+
+from coral_iac.cli.console import LIBRARY_ROOT, STACKS_DIR, out, print_json, reports_errors
+
+
+def simulate_cmd(
+    stack: Annotated[str, typer.Option(help="Stack name (SLOs, request shapes, demand).")],
+    plan_file: Annotated[Path, typer.Option("--plan", help="plan.json from `coral plan --out`.")],
+    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 600,
+    load: Annotated[float, typer.Option(help="Demand multiplier (1 = the stack's demand).")] = 1.0,
+    trace_dir: Annotated[
+        Path | None, typer.Option(help="Folder of <model>.csv traces (timestamp,prompt,output).")
+    ] = None,
+    seed: Annotated[int, typer.Option(help="Seed of the generated traces.")] = 0,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+    capacity: Annotated[
+        bool,
+        typer.Option(
+            "--capacity",
+            help="Instead: drive each template alone past its capacity and compare the "
+            "throughput it sustains with the template library's figure.",
+        ),
+    ] = False,
+) -> None:
+    """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
+    from coral_iac.cli.plan import load_plan
+    from solver.errors import InputError
+    from solver.performance.default_model import load_perf_model
+    from solver.simulation.simulator import simulate
+    from solver.simulation.traces import load_trace_csv, stack_traces
+    from solver.stack import load_stack
+
+    fleet = load_stack(STACKS_DIR, stack)
+    plan = load_plan(plan_file)
+    perf = load_perf_model()
+    if capacity:
+        _capacity(plan, fleet, perf, duration, as_json)
+        return
+    if trace_dir is not None:
+        traces = {m: load_trace_csv(trace_dir / f"{m}.csv") for m in sorted(fleet.models)}
+    else:
+        traces = stack_traces(fleet.models, duration, scale=load, seed=seed)
+        missing = sorted(set(fleet.models) - set(traces))
+        if missing:
+            raise InputError(
+                f"coral:fleet.models.{missing[0]}.demand",
+                "simulation needs requests_per_s (or a trace)",
+                "set demand.requests_per_s, or pass --trace-dir",
+            )
+    summary = simulate(plan, fleet, perf, traces, duration).summary()
+    if as_json:
+        print_json(summary)
+        return
+    table = Table(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand")
+    cols = ("model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms")
+    for col in cols:
+        table.add_column(col, justify="left" if col == "model" else "right")
+    rows = dict(summary["by_model"])  # type: ignore[call-overload]
+    rows["all"] = summary
+    for model, r in rows.items():
+        table.add_row(
+            model,
+            str(r["requests"]),
+            f"{r['goodput_tokens_per_s']:,.0f}",
+            f"{100 * r['slo_attainment']:.1f}%",
+            f"{_ms(r['ttft_p50_ms'], 0)} / {_ms(r['ttft_p99_ms'], 0)}",
+            f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
+        )
+    out.print(table)
+
+
+def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:
+    from solver.simulation.simulator import capacity_check
+
+    rows = capacity_check(plan, fleet, perf, duration_s=duration)
+    if as_json:
+        print_json(rows)
+        return
+    table = Table(title="Capacity per template: simulated at 1.5x its throughput vs the library")
+    cols = ("model", "phase", "template", "library", "simulated", "ratio")
+    for col in cols:
+        table.add_column(col, justify="left" if col in cols[:3] else "right")
+    for r in rows:
+        flag = "" if 0.9 <= float(r["ratio"]) <= 1.1 else " !"
+        table.add_row(
+            str(r["model"]),
+            str(r["phase"]),
+            str(r["template"]),
+            f"{r['library']:,.2f}",
+            f"{r['simulated']:,.2f}",
+            f"{r['ratio']:.3f}{flag}",
+        )
+    out.print(table)
+    out.print("Units: prompt tokens/s (prefill), output tokens/s (decode), requests/s (aggregated).")
+
+
+def _ms(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def epochs_cmd(
+    stack: Annotated[str, typer.Option(help="Stack name.")],
+    availability: Annotated[
+        str, typer.Option(help="Availability factor per epoch, comma-separated.")
+    ] = "1,0.8,0.6,0.8,1",
+    epoch_minutes: Annotated[float, typer.Option(help="Adjustment interval.")] = 6,
+    startup_minutes: Annotated[float, typer.Option(help="Time before a new node serves.")] = 6,
+    library: Annotated[Path | None, typer.Option(help="Template-library folder.")] = None,
+    target_utilization: Annotated[
+        float | None, typer.Option(help="Override allocation.target_utilization (headroom).")
+    ] = None,
+    cold_start: Annotated[
+        bool, typer.Option(help="The first epoch's fleet boots too (default: already serving).")
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Run the paper's epochs: re-plan each interval (start-up penalty, changing availability)
+    and simulate each epoch, counting the start-up time of new instances."""
+    from dataclasses import asdict
+
+    from solver.errors import InputError
+    from solver.performance.default_model import load_perf_model
+    from solver.plan.planner import libraries_for, stack_demand
+    from solver.simulation.epochs import run_epochs
+    from solver.stack import load_stack
+
+    try:
+        factors = [float(x) for x in availability.split(",")]
+    except ValueError as e:
+        raise InputError("--availability", f"not numbers: {availability}", "e.g. 1,0.8,0.6") from e
+    if not factors or any(f < 0 for f in factors):
+        raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
+    fleet = load_stack(STACKS_DIR, stack).with_target_utilization(target_utilization)
+    perf = load_perf_model()
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or LIBRARY_ROOT / stack)
+    results = run_epochs(
+        stack,
+        fleet,
+        perf,
+        libs,
+        factors,
+        epoch_minutes * 60,
+        startup_minutes * 60,
+        cold_start=cold_start,
+    )
+    if as_json:
+        print_json([asdict(r) for r in results])
+        return
+    table = Table(title=f"{stack}: {len(results)} epochs of {epoch_minutes:g} min")
+    cols = (
+        "epoch",
+        "avail x",
+        "$/hour",
+        "penalty $/h",
+        "served",
+        "+/-",
+        "goodput tok/s",
+        "SLO met",
+    )
+    for col in cols:
+        table.add_column(col, justify="right")
+    for r in results:
+        table.add_row(
+            str(r.epoch),
+            f"{r.availability_factor:g}",
+            f"{r.hourly_cost_usd:,.2f}",
+            f"{r.startup_penalty_usd_per_hour:,.2f}",
+            f"{r.served_fraction:.3f}",
+            f"+{r.added}/-{r.removed}",
+            f"{r.goodput_tokens_per_s:,.0f}",
+            f"{100 * r.slo_attainment:.1f}%",
+        )
+    out.print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("simulate")(reports_errors(simulate_cmd))
+    app.command("epochs")(reports_errors(epochs_cmd))

@@ -1,0 +1,81 @@
+"""The allocation problem as data: one column per (serving template, region), the demand per
+(model, phase), the market, and the running plan nu0; and what a solve gives back."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from dataclasses import dataclass, field
+
+from solver.catalog.market import Market, RegionId
+from solver.plan.schema import SolverReport
+from solver.stack import AllocationSettings
+from solver.templates.serving_template import ServingTemplate
+from solver.types import Job
+
+RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, template key)
+
+
+@dataclass(frozen=True)
+class Column:
+    """One choice of the ILP: a template of one (model, phase) in one region."""
+
+    job: Job
+    region: RegionId
+    template: ServingTemplate
+    price: float
+    usage: tuple[tuple[str, int], ...]  # node config -> nodes per instance
+
+    @property
+    def running_key(self) -> RunningKey:
+        return (*self.job, self.region[0], self.region[1], self.template.key)
+
+
+@dataclass(frozen=True)
+class Problem:
+    demand: dict[Job, float]
+    columns: list[Column]
+    market: Market
+    settings: AllocationSettings
+    running: dict[RunningKey, int] = field(default_factory=dict)  # nu0
+
+
+@dataclass(frozen=True)
+class Solution:
+    counts: dict[int, int]  # column index -> instances
+    fraction: float
+    report: SolverReport | None  # None for the greedy baseline
+    binding: list[str]
+
+
+def make_columns(
+    templates: dict[Job, list[ServingTemplate]], market: Market, demand: dict[Job, float]
+) -> list[Column]:
+    """Every (template, region) pair whose region sells all of the template's nodes."""
+    columns = []
+    for job in sorted(demand):
+        if demand[job] <= 0:
+            continue
+        for t in templates.get(job, []):
+            usage = Counter(t.nodes)
+            for region in market.regions:
+                price = market.template_price(region, t.nodes)
+                if price is not None:
+                    columns.append(Column(job, region, t, price, tuple(sorted(usage.items()))))
+    return columns
+
+
+def upper_bound(col: Column, market: Market, demand: float) -> int:
+    """Most instances worth buying: what availability allows, and no more than demand needs."""
+    by_avail = min(market.available[(col.region, n)] // c for n, c in col.usage)
+    by_pool = min(
+        (
+            market.gpu_pools[(col.region, market.gpu_of[n][0])] // (c * market.gpu_of[n][1])
+            for n, c in col.usage
+            if (col.region, market.gpu_of[n][0]) in market.gpu_pools
+        ),
+        default=by_avail,
+    )
+    return max(0, min(by_avail, by_pool, math.ceil(demand / col.template.throughput - 1e-9)))
+
+

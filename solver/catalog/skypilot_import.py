@@ -1,0 +1,202 @@
+"""Import offers from a SkyPilot catalog `vms.csv` (schema v8) so users can refresh prices.
+
+Rules:
+- One row per availability zone: the cheapest zone's on-demand price is the region's price.
+- AWS rows carry the GPU (AcceleratorName, AcceleratorCount) and the whole instance price.
+- GCP lists GPU prices as separate rows with an empty InstanceType; the offer price is the host VM
+  row plus the GPU row. A2/A3/G2 machine types imply their GPU (`GCP_BUNDLED`); T4 and V100 attach
+  to an N1 host, for which we use n1-standard-(4 x GPUs) (the smallest N1 size with room for a
+  serving process), written `n1-standard-4+1xT4`.
+- Placeholder prices are dropped: empty, zero or negative, and 700.0 (SkyPilot's marker for an
+  unavailable accelerator region). Unknown GPUs and counts outside 1/2/4/8 are skipped.
+- Network bandwidth and availability are not in the CSV: they are kept from the current catalog's
+  offer for the same instance type / shape, else the catalog defaults (named in `network_note`).
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import re
+from collections.abc import Iterable, Mapping
+
+from solver.catalog.offers import DEFAULT_NETWORK_GBPS, Catalog, Offer, node_id
+from solver.errors import InputError
+
+ACCELERATOR_IDS = {
+    "H100": "h100",
+    "A100-80GB": "a100-80gb",
+    "A100": "a100-40gb",
+    "L40S": "l40s",
+    "L4": "l4",
+    "A10G": "a10g",
+    "T4": "t4",
+    "V100": "v100",
+}
+GCP_BUNDLED = [
+    (re.compile(r"^a3-highgpu-(\d)g$"), "H100", None),
+    (re.compile(r"^a2-ultragpu-(\d)g$"), "A100-80GB", None),
+    (re.compile(r"^a2-highgpu-(\d)g$"), "A100", None),
+    (
+        re.compile(r"^g2-standard-(\d+)$"),
+        "L4",
+        {4: 1, 8: 1, 12: 1, 16: 1, 32: 1, 24: 2, 48: 4, 96: 8},
+    ),
+]
+GCP_N1_GPUS = ("T4", "V100")
+PLACEHOLDER_PRICES = {700.0}
+GPU_COUNTS = {1, 2, 4, 8}
+DEFAULT_AVAILABILITY = {1: 16, 2: 8, 4: 4, 8: 2}
+REQUIRED_COLUMNS = {
+    "InstanceType",
+    "AcceleratorName",
+    "AcceleratorCount",
+    "vCPUs",
+    "MemoryGiB",
+    "Region",
+    "Price",
+}
+
+
+def _price(row: Mapping[str, str]) -> float | None:
+    try:
+        price = float(row.get("Price") or "nan")
+    except ValueError:
+        return None
+    if not price > 0 or price in PLACEHOLDER_PRICES:
+        return None
+    return price
+
+
+def _count(text: str | None) -> int | None:
+    try:
+        return int(float(text or ""))
+    except ValueError:
+        return None
+
+
+def _aws_candidates(
+    rows: list[Mapping[str, str]],
+) -> Iterable[tuple[str, str, str, int, float, Mapping[str, str]]]:
+    for row in rows:
+        acc, count, price = (
+            row.get("AcceleratorName", ""),
+            _count(row.get("AcceleratorCount")),
+            _price(row),
+        )
+        if (
+            acc in ACCELERATOR_IDS
+            and count in GPU_COUNTS
+            and price is not None
+            and row["InstanceType"]
+        ):
+            yield row["Region"], row["InstanceType"], ACCELERATOR_IDS[acc], count, price, row
+
+
+def _gcp_gpu_prices(rows: list[Mapping[str, str]]) -> dict[tuple[str, str, int], float]:
+    """(region, accelerator, count) -> cheapest zone price of the GPU-only rows."""
+    out: dict[tuple[str, str, int], float] = {}
+    for row in rows:
+        count, price = _count(row.get("AcceleratorCount")), _price(row)
+        if row["InstanceType"] or count is None or price is None:
+            continue
+        key = (row["Region"], row["AcceleratorName"], count)
+        out[key] = min(price, out.get(key, price))
+    return out
+
+
+def _gcp_candidates(
+    rows: list[Mapping[str, str]],
+) -> Iterable[tuple[str, str, str, int, float, Mapping[str, str]]]:
+    gpu_prices = _gcp_gpu_prices(rows)
+    hosts = {(r["Region"], r["InstanceType"]): r for r in rows if r["InstanceType"] and _price(r)}
+    for (region, itype), row in hosts.items():
+        for pattern, acc, by_size in GCP_BUNDLED:
+            m = pattern.match(itype)
+            if not m:
+                continue
+            n = int(m.group(1))
+            count = by_size.get(n) if by_size else n
+            gpu_price = gpu_prices.get((region, acc, count or 0))
+            host_price = _price(row)
+            if count in GPU_COUNTS and gpu_price is not None and host_price is not None:
+                yield region, itype, ACCELERATOR_IDS[acc], count, host_price + gpu_price, row
+    for (region, acc, count), gpu_price in gpu_prices.items():
+        host_type = f"n1-standard-{4 * count}"
+        host = hosts.get((region, host_type))
+        host_price = _price(host) if host else None
+        if (
+            acc in GCP_N1_GPUS
+            and count in GPU_COUNTS
+            and host is not None
+            and host_price is not None
+        ):
+            itype = f"{host_type}+{count}x{acc}"
+            yield region, itype, ACCELERATOR_IDS[acc], count, host_price + gpu_price, host
+
+
+def import_vms_rows(
+    rows: list[Mapping[str, str]],
+    cloud: str,
+    current: Catalog,
+    source: str,
+    retrieved: dt.date,
+    regions: set[str] | None = None,
+) -> list[Offer]:
+    """Offers (cheapest instance type per region and node shape) from SkyPilot vms.csv rows."""
+    if rows and not REQUIRED_COLUMNS <= set(rows[0]):
+        missing = sorted(REQUIRED_COLUMNS - set(rows[0]))
+        raise InputError(source, f"missing columns {missing}", "pass a SkyPilot v8 vms.csv")
+    if cloud not in ("aws", "gcp"):
+        raise InputError("cloud", f"unknown cloud '{cloud}'", "use aws or gcp")
+    cands = _aws_candidates(rows) if cloud == "aws" else _gcp_candidates(rows)
+    best: dict[tuple[str, str], tuple[float, str, str, int, Mapping[str, str]]] = {}
+    for region, itype, gpu, count, price, row in cands:
+        if gpu not in current.gpus or (regions and region not in regions):
+            continue
+        key = (region, node_id(gpu, count))
+        if key not in best or (price, itype) < best[key][:2]:
+            best[key] = (price, itype, gpu, count, row)
+    return [
+        _offer(cloud, region, itype, gpu, count, price, row, current, source, retrieved)
+        for (region, _), (price, itype, gpu, count, row) in sorted(best.items())
+    ]
+
+
+def _offer(
+    cloud: str,
+    region: str,
+    itype: str,
+    gpu: str,
+    count: int,
+    price: float,
+    row: Mapping[str, str],
+    current: Catalog,
+    source: str,
+    retrieved: dt.date,
+) -> Offer:
+    same_type = [o for o in current.offers if o.cloud == cloud and o.instance_type == itype]
+    same_shape = [
+        o
+        for o in current.offers
+        if (o.cloud, o.region) == (cloud, region) and o.node == node_id(gpu, count)
+    ]
+    network = same_type[0].network_gbps if same_type else DEFAULT_NETWORK_GBPS
+    note = (
+        same_type[0].network_note if same_type else "unknown: not in the SkyPilot catalog; default"
+    )
+    availability = same_shape[0].availability if same_shape else DEFAULT_AVAILABILITY[count]
+    return Offer(
+        cloud=cloud,
+        region=region,
+        instance_type=itype,
+        gpu=gpu,
+        gpu_count=count,
+        vcpus=int(float(row["vCPUs"])),
+        memory_gib=float(row["MemoryGiB"]),
+        network_gbps=network,
+        network_note=note,
+        price_usd_per_hour=round(price, 6),
+        availability=availability,
+        source=source,
+        retrieved=retrieved,
+    )

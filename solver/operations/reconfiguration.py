@@ -1,0 +1,173 @@
+"""Safe reconfiguration: which instances a run declares, and in which state.
+
+A plan says what should run. Going there from what runs now must never drop the capacity that
+traffic needs: a new instance serves only after it has booted (minutes: image, weights, CUDA
+graphs), and an instance that leaves the plan may still carry traffic its replacement cannot
+take yet. So each run (`pulumi up`) declares the plan's instances plus the ones leaving it, each
+in one of four states:
+
+| state | in the plan | gets new requests | next run |
+|---|---|---|---|
+| `starting` | yes | no (booting) | `ready` once `boot_s` has passed since it was declared |
+| `ready` | yes | yes | stays `ready` |
+| `retiring` | no | yes: its (model, phase) needs it until `starting` ones are ready | `retiring` or `draining` |
+| `draining` | no | no: in-flight requests finish | deleted once `drain_s` has passed since it began draining (its node's stop step drains first) |
+
+A decode instance of a disaggregated model starts its vllm-router with its prefill peers'
+addresses, which are part of its boot configuration. So when its region's prefill instances
+change, it is a new node: its member id is the instance key plus a digest of the peers, the new
+one starts, and the old one leaves like any other instance. A prefill instance leaving the plan
+stays `retiring` while a serving decode router still sends to it.
+
+An instance leaving the plan becomes `retiring` only while the plan's `ready` capacity of its
+(model, phase) is below the demand the plan serves; the largest leaving instances are kept
+first, just enough to cover it. Otherwise it goes straight to `draining`. A `draining` instance
+is deleted at the next run, so it receives no new requests for one whole interval before its
+node is stopped. An instance that comes back into the plan before it is deleted is `ready`
+again (it never stopped).
+
+Serving capacity (what the gateway spreads new requests over) is `ready` + `retiring`. Over any
+sequence of runs, the capacity of every (model, phase) never falls below the smaller of its
+demand and its capacity before the run (tests/property/test_reconfigure_properties.py).
+
+The state is pure data (`FleetState`): the Pulumi program exports it and reads it back on the
+next run, like the plan.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from solver.io import digest
+from solver.plan.schema import Instance, Plan, template_ref
+from solver.templates.serving_template import ServingTemplate
+from solver.types import FROZEN, Job
+
+State = Literal["starting", "ready", "retiring", "draining"]
+SERVING: frozenset[str] = frozenset({"ready", "retiring"})
+
+
+class Member(BaseModel):
+    """One declared instance: what it is, its template (to declare it unchanged while it
+    leaves), its state, when it was first declared and when it entered its state (UTC), and,
+    for a decode instance, the prefill instances its router sends prompts to."""
+
+    model_config = FROZEN
+    instance: Instance
+    template: ServingTemplate
+    state: State
+    declared_at: datetime = Field(description="First run that declared it (UTC).")
+    since: datetime = Field(description="When it entered its current state (UTC).")
+    peers: list[str] = Field(
+        default_factory=list, description="Decode: prefill instance keys its router uses."
+    )
+
+
+class FleetState(BaseModel):
+    model_config = FROZEN
+    format: Literal[1] = 1
+    members: dict[str, Member] = Field(
+        description="Member id (the instance key, plus ~<peers digest> for a decode instance "
+        "of a disaggregated model) -> member, sorted."
+    )
+
+    def capacity(self, states: frozenset[str] = SERVING) -> dict[Job, float]:
+        """(model, phase) -> throughput of the members in `states` (default: serving)."""
+        out: dict[Job, float] = {}
+        for m in self.members.values():
+            if m.state in states:
+                job = (m.instance.model, m.instance.phase)
+                out[job] = out.get(job, 0.0) + m.instance.throughput
+        return out
+
+    def by_state(self) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {s: [] for s in ("starting", "ready", "retiring", "draining")}
+        for key, m in self.members.items():
+            out[m.state].append(key)
+        return out
+
+    def hourly_cost_usd(self) -> float:
+        """What every declared instance costs, the leaving ones included."""
+        return round(sum(m.instance.usd_per_hour for m in self.members.values()), 4)
+
+
+def served_demand(plan: Plan) -> dict[Job, float]:
+    """(model, phase) -> the demand the plan serves (its served fraction of the demand)."""
+    return {(j.model, j.phase): j.demand * plan.served_fraction for j in plan.jobs}
+
+
+def router_peers(plan: Plan, inst: Instance) -> list[str]:
+    """A decode instance's prefill peers: the plan's prefill instances of its model in its
+    region (its vllm-router is started with their addresses). Empty for other phases."""
+    if inst.phase != "decode":
+        return []
+    return sorted(
+        i.key
+        for i in plan.instances
+        if i.phase == "prefill"
+        and (i.model, i.cloud, i.region) == (inst.model, inst.cloud, inst.region)
+    )
+
+
+def member_id(key: str, peers: list[str]) -> str:
+    """A decode instance with other prefill peers is another node (its router's list is in its
+    boot configuration), so it gets another id and replaces the old one safely."""
+    return f"{key}~{digest(peers)[:8]}" if peers else key
+
+
+def transition(
+    previous: FleetState | None, plan: Plan, now: datetime, boot_s: float, drain_s: float = 0
+) -> FleetState:
+    """The members a run declares for `plan`, given the previous run's state (see module doc)."""
+    before = previous.members if previous is not None else {}
+    members: dict[str, Member] = {}
+    for inst in plan.instances:
+        peers = router_peers(plan, inst)
+        mid = member_id(inst.key, peers)
+        old = before.get(mid)
+        declared = old.declared_at if old is not None else now
+        booted = old is not None and (now - declared).total_seconds() >= boot_s
+        state: State = (
+            "ready" if booted or (old is not None and old.state in SERVING) else "starting"
+        )
+        members[mid] = Member(
+            instance=inst.model_copy(update={"key": mid}),
+            template=plan.templates[template_ref(inst.model, inst.phase, inst.template)],
+            state=state,
+            declared_at=declared,
+            since=old.since if old is not None and old.state == state else now,
+            peers=peers,
+        )
+    ready = FleetState(members=members).capacity(frozenset({"ready"}))
+    demand = served_demand(plan)
+    leaving = sorted(
+        (m for key, m in before.items() if key not in members),
+        key=lambda m: (-m.instance.throughput, m.instance.key),
+    )
+    kept = dict(ready)
+    for m in leaving:
+        if m.state == "draining":
+            if (now - m.since).total_seconds() < drain_s:
+                members[m.instance.key] = m  # still finishing what it has in flight
+            continue  # drained: deleted
+        job = (m.instance.model, m.instance.phase)
+        needed = kept.get(job, 0.0) < demand.get(job, 0.0)
+        # A leaving instance that never finished booting carries no traffic: nothing to keep.
+        serving = m.state in SERVING or (now - m.declared_at).total_seconds() >= boot_s
+        state = "retiring" if needed and serving else "draining"
+        if state == "retiring":
+            kept[job] = kept.get(job, 0.0) + m.instance.throughput
+        members[m.instance.key] = _enter(m, state, now)
+    # A prefill instance stays serving while a serving decode router still sends to it.
+    used = {p for m in members.values() if m.state in SERVING for p in m.peers}
+    for key, m in list(members.items()):
+        if m.instance.phase == "prefill" and m.state == "draining" and key in used:
+            members[key] = _enter(m, "retiring", now)
+    return FleetState(members=dict(sorted(members.items())))
+
+
+def _enter(m: Member, state: State, now: datetime) -> Member:
+    return m if m.state == state else m.model_copy(update={"state": state, "since": now})

@@ -1,0 +1,37 @@
+"""Build the default performance model from the shipped data files (and optional measured tables)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from solver.catalog.model_cards import load_model_cards
+from solver.catalog.offers import Catalog, load_catalog
+from solver.performance.analytical import PerfSettings
+from solver.performance.calibration import load_calibration
+from solver.performance.measured_tables import MeasuredTables, load_measured_dir
+from solver.performance.perf_model import PerfModel
+
+MEASURED_DIR_ENV = "CORAL_MEASURED_DIR"
+
+
+def load_perf_model(
+    measured_dir: Path | None = None,
+    catalog: Catalog | None = None,
+    settings: PerfSettings | None = None,
+) -> PerfModel:
+    """The shipped catalog, model cards and calibration; measured tables win where present.
+
+    Args:
+        measured_dir: folder of measured tables; default $CORAL_MEASURED_DIR when set, so every
+            command (plan, bench, library builds) uses the same measurements.
+    """
+    if measured_dir is None and os.environ.get(MEASURED_DIR_ENV):
+        measured_dir = Path(os.environ[MEASURED_DIR_ENV])
+    return PerfModel(
+        catalog=catalog or load_catalog(),
+        cards=load_model_cards(),
+        calibration=load_calibration().calibration(),
+        settings=settings or PerfSettings(),
+        measured=load_measured_dir(measured_dir) if measured_dir else MeasuredTables(),
+    )

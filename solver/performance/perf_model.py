@@ -1,0 +1,292 @@
+"""The performance model behind every plan: layer times and the profile table T̂_j(c).
+
+`PerfModel` combines the analytical model (`solver/perf.py`) with fitted efficiencies and any
+measured tables (which win for their (model, node config, phase)). `profile_table` computes, for a
+(model, phase, per-stage latency budget), the most tokens/s each node config delivers holding j
+layers while the stage meets the budget and the KV cache fits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from solver.catalog.model_cards import ModelCard, ModelId, get_card
+from solver.catalog.offers import Catalog, NodeConfig
+from solver.errors import InputError
+from solver.performance.analytical import (
+    Efficiency,
+    LayerTime,
+    PerfSettings,
+    analytical_layer_ms,
+    hop_ms,
+    valid_tp_degrees,
+)
+from solver.performance.measured_tables import MeasuredTables
+from solver.types import Phase
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Fitted efficiencies per GPU type, a default for GPUs without measurements, provenance."""
+
+    gpus: dict[str, Efficiency]
+    default: Efficiency
+    provenance: str = ""
+
+    def for_gpu(self, gpu_id: str) -> Efficiency:
+        return self.gpus.get(gpu_id, self.default)
+
+
+@dataclass(frozen=True)
+class ProfileEntry:
+    """T̂_j(c): one node config holding j layers."""
+
+    node: str
+    layers: int
+    tokens_per_s: float
+    batch: int
+    stage_ms: float
+    tp: int
+    kv_capacity_tokens: int
+    source: str
+
+
+@dataclass
+class PerfModel:
+    """Layer times and profile tables for every (model, node config)."""
+
+    catalog: Catalog
+    cards: dict[ModelId, ModelCard]
+    calibration: Calibration
+    settings: PerfSettings = field(default_factory=PerfSettings)
+    measured: MeasuredTables = field(default_factory=MeasuredTables)
+
+    def card(self, model: ModelId) -> ModelCard:
+        return get_card(self.cards, model)
+
+    def layer_time(
+        self, model: ModelId, node: str, phase: Phase, size: float, context: float
+    ) -> LayerTime:
+        """ms per layer for a decode batch / prefill token count `size` on `node`.
+
+        Raises:
+            InputError: a non-positive size or context, or a size past a measured table's range.
+        """
+        if size <= 0:
+            field_name = "batch" if phase == "decode" else "tokens"
+            raise InputError(field_name, f"must be > 0, got {size}", "pass a positive number")
+        if context <= 0:
+            raise InputError("context", f"must be > 0, got {context}", "pass a positive number")
+        card = self.card(model)
+        cfg = self.catalog.node(node)
+        table = self.measured.get(model, cfg.id, phase)
+        if table is not None:
+            ms = table.ms_at(size)
+            if ms is None:
+                raise InputError(
+                    "size",
+                    f"{size} is past the measured table {table.source} (max {table.max_x})",
+                    "measure larger sizes or stay within the table",
+                )
+            return LayerTime(ms, cfg.gpu_count, "measured")
+        return min(
+            (self._analytical(card, cfg, tp, phase, size, context) for tp in self._tps(card, cfg)),
+            key=lambda lt: (lt.ms, lt.tp),
+        )
+
+    def _tps(self, card: ModelCard, cfg: NodeConfig) -> list[int]:
+        tps = valid_tp_degrees(card, cfg.gpu_count)
+        if not tps:  # tp=1 always divides; kept as a guard for odd data
+            raise InputError("node", f"no valid TP degree on {cfg.id}", "use another node")
+        return tps
+
+    def _analytical(
+        self, card: ModelCard, cfg: NodeConfig, tp: int, phase: Phase, size: float, ctx: float
+    ) -> LayerTime:
+        eff = self.calibration.for_gpu(cfg.gpu_id)
+        ms = analytical_layer_ms(card, cfg, eff, tp, phase, size, ctx, self.settings)
+        return LayerTime(ms, tp, "analytical")
+
+    def kv_capacity_tokens(self, card: ModelCard, cfg: NodeConfig, tp: int, layers: int) -> int:
+        """KV tokens that fit beside `layers` layers on `tp` GPUs of the node (0 if none).
+
+        Each stage is charged one vocab x hidden matrix: the first stage holds the input
+        embedding, the last the LM head, and which stage a node serves is not known here.
+        """
+        s = self.settings
+        usable = tp * (
+            cfg.gpu.memory_gb * GB * s.gpu_memory_utilization - s.runtime_reserve_gb * GB
+        )
+        free = usable - layers * card.layer_weight_bytes - card.embedding_bytes
+        per_token = layers * card.kv_bytes_per_token_per_layer * tp / min(tp, card.kv_heads)
+        return max(0, int(free // per_token))
+
+    def max_layers(self, model: ModelId, node: str) -> int:
+        """Most layers the node can hold with a useful KV cache (settings.min_kv_tokens)."""
+        card, cfg = self.card(model), self.catalog.node(node)
+        best = 0
+        for tp in self._tps(card, cfg):
+            for j in range(card.layers, 0, -1):
+                if self.kv_capacity_tokens(card, cfg, tp, j) >= self.settings.min_kv_tokens:
+                    best = max(best, j)
+                    break
+        return best
+
+    def profile_table(
+        self,
+        model: ModelId,
+        phase: Phase,
+        budget_ms: float,
+        nodes: list[str] | None = None,
+        context: float = 1024,
+        hop: bool = True,
+        tp: int | None = None,
+        in_flight: int = 1,
+    ) -> list[ProfileEntry]:
+        """T̂ for every node config (default: every node config the catalog sells).
+
+        Args:
+            context: decode context tokens, or prefill prompt length per request.
+            hop: charge the stage for sending its activations to the next node.
+            tp: use only this TP degree (vLLM's one-TP-size rule); default: the best valid one.
+            in_flight: decode micro-batches a stage holds KV for at once: a pipeline of S
+                stages keeps S in flight, so each may use only 1/S of the stage's KV cache.
+        """
+        if budget_ms <= 0:
+            raise InputError("budget_ms", f"must be > 0, got {budget_ms}", "pass a positive budget")
+        card = self.card(model)
+        out = []
+        for node in nodes if nodes is not None else list(self.catalog.node_configs):
+            cfg = self.catalog.node(node)
+            for j in range(1, card.layers + 1):
+                entry = self._best_entry(
+                    card, model, cfg, phase, j, budget_ms, context, hop, tp, in_flight
+                )
+                if entry is None:
+                    break  # more layers only take longer and leave less memory
+                out.append(entry)
+        return out
+
+    def _best_entry(
+        self,
+        card: ModelCard,
+        model: ModelId,
+        cfg: NodeConfig,
+        phase: Phase,
+        j: int,
+        budget_ms: float,
+        context: float,
+        hop: bool,
+        only_tp: int | None = None,
+        in_flight: int = 1,
+    ) -> ProfileEntry | None:
+        tps = [t for t in self._tps(card, cfg) if only_tp in (None, t)]
+        candidates = [
+            e
+            for tp in tps
+            if (
+                e := self._entry(card, model, cfg, tp, phase, j, budget_ms, context, hop, in_flight)
+            )
+        ]
+        return max(candidates, key=lambda e: (e.tokens_per_s, -e.tp), default=None)
+
+    def _entry(
+        self,
+        card: ModelCard,
+        model: ModelId,
+        cfg: NodeConfig,
+        tp: int,
+        phase: Phase,
+        j: int,
+        budget_ms: float,
+        context: float,
+        hop: bool,
+        in_flight: int = 1,
+    ) -> ProfileEntry | None:
+        kv_cap = self.kv_capacity_tokens(card, cfg, tp, j)
+        if kv_cap < self.settings.min_kv_tokens:
+            return None
+        held = card.kv_tokens_held(context)
+        # Decode holds `context` tokens per sequence; prefill writes one KV entry per token.
+        max_size = int(kv_cap // (held * in_flight)) if phase == "decode" else kv_cap
+        max_size = min(max_size, self.settings.max_batch_tokens)
+        measured = self.measured.get(model, cfg.id, phase)
+        if measured is not None:
+            if tp != cfg.gpu_count:
+                return None  # a measured table describes the node as benchmarked
+            max_size = min(max_size, int(measured.max_x))
+
+        def stage_ms(size: int) -> float:
+            return self.stage_time_ms(model, cfg.id, tp, phase, size, context, j, hop)
+
+        size = _largest_within(stage_ms, budget_ms, max_size)
+        if size == 0:
+            return None
+        t = stage_ms(size)
+        return ProfileEntry(
+            node=cfg.id,
+            layers=j,
+            tokens_per_s=size * 1e3 / t,
+            batch=size,
+            stage_ms=t,
+            tp=tp,
+            kv_capacity_tokens=kv_cap,
+            source="measured" if measured is not None else "analytical",
+        )
+
+    def stage_time_ms(
+        self,
+        model: ModelId,
+        node: str,
+        tp: int,
+        phase: Phase,
+        size: float,
+        context: float,
+        layers: int,
+        hop: bool,
+    ) -> float:
+        """One pipeline stage: `layers` layers at TP `tp` on `node`, plus its outgoing hop.
+
+        `size` is the decode batch or prefill token count; `context` the decode context or the
+        prompt length. The profile table and the simulator both time stages with this.
+        """
+        card, cfg = self.card(model), self.catalog.node(node)
+        layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
+        return layers * layer + (hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0)
+
+    def _layer_ms(
+        self,
+        card: ModelCard,
+        model: ModelId,
+        cfg: NodeConfig,
+        tp: int,
+        phase: Phase,
+        size: float,
+        context: float,
+    ) -> float:
+        table = self.measured.get(model, cfg.id, phase)
+        if table is not None:
+            ms = table.ms_at(size)
+            assert ms is not None  # callers cap size at the table's range
+            return ms
+        return self._analytical(card, cfg, tp, phase, size, context).ms
+
+
+def _largest_within(f: Callable[[int], float], budget_ms: float, max_size: int) -> int:
+    """Largest integer size in [1, max_size] with f(size) <= budget (0 if none).
+
+    Binary search: stage time grows with size (a property test checks it).
+    """
+    if max_size < 1 or f(1) > budget_ms:
+        return 0
+    lo, hi = 1, max_size
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if f(mid) <= budget_ms:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

@@ -1,0 +1,208 @@
+"""From a stack to a plan: demand per (model, phase), libraries, allocation, the plan file.
+
+`plan_stack` runs Coral's allocation or a baseline (`solver/baselines.py`) and assembles the
+`Plan`. Libraries come from a folder, and are built (or rebuilt when stale) there when asked.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from solver.allocation.problem import Column, Problem, Solution, make_columns
+from solver.allocation.solve import solve_allocation
+from solver.catalog.market import Market, build_market
+from solver.catalog.offers import Catalog
+from solver.errors import InputError
+from solver.io import digest
+from solver.performance.perf_model import PerfModel
+from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, template_ref
+from solver.plan.validator import validate_plan
+from solver.stack import FleetConfig
+from solver.templates.library import Library, build_libraries, load_library, save_library
+from solver.types import Job
+
+
+def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
+    """(model, phase) -> demand: tokens/s for prefill and decode, requests/s for aggregated.
+
+    Raises:
+        InputError: a model without demand, or with a demand its serving mode cannot use.
+    """
+    out: dict[Job, float] = {}
+    for model, spec in fleet.models.items():
+        try:
+            for phase, d in spec.phase_demand().items():
+                out[(model, phase)] = d
+        except ValueError as e:
+            raise InputError(
+                f"coral:fleet.models.{model}.demand",
+                str(e),
+                "add `demand: {requests_per_s: N}` (or tokens_per_s: {prefill, decode})",
+            ) from e
+    return out
+
+
+def libraries_for(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    jobs: list[Job],
+    directory: Path,
+    build_missing: bool = True,
+    workers: int = 2,
+    progress: Callable[[Job, int, int], None] | None = None,
+    rebuild_stale: bool = True,
+) -> dict[Job, Library]:
+    """Load each job's library from `directory`; build missing ones, and stale ones when asked.
+
+    Raises:
+        InputError: a library is missing and `build_missing` is False, or stale and
+            `rebuild_stale` is False (the error names the changed inputs).
+    """
+    libs: dict[Job, Library] = {}
+    todo: list[Job] = []
+    for job in jobs:
+        try:
+            libs[job] = load_library(directory, perf, fleet, *job)
+        except InputError as e:
+            stale = "stale library" in e.problem
+            if (stale and not rebuild_stale) or (not stale and not build_missing):
+                raise
+            todo.append(job)
+    if todo:
+        for lib in build_libraries(perf, fleet, todo, workers, progress):
+            save_library(lib, directory)
+            libs[(lib.model, lib.phase)] = lib
+    return libs
+
+
+def plan_from_solution(
+    stack: str,
+    method: Method,
+    fleet: FleetConfig,
+    market: Market,
+    demand: dict[Job, float],
+    columns: list[Column],
+    solution: Solution,
+    libs: dict[Job, Library],
+) -> Plan:
+    """Assemble a plan: stable instance keys, costs per model and phase, demand vs supply."""
+    instances: list[Instance] = []
+    templates = {}
+    k = fleet.allocation.startup_penalty_k
+    penalty = 0.0
+    for i in sorted(solution.counts, key=lambda i: columns[i].running_key):
+        c, n = columns[i], solution.counts[i]
+        (cloud, region), (model, phase) = c.region, c.job
+        templates[template_ref(model, phase, c.template.key)] = c.template
+        for idx in range(n):
+            instances.append(
+                Instance(
+                    key=instance_key(model, phase, cloud, region, c.template.key, idx),
+                    model=model,
+                    phase=c.template.phase,
+                    cloud=cloud,
+                    region=region,
+                    template=c.template.key,
+                    index=idx,
+                    nodes=c.template.nodes,
+                    usd_per_hour=round(c.price, 6),
+                    throughput=c.template.throughput,
+                )
+            )
+    cost_by_model: dict[str, dict[str, float]] = {}
+    jobs = []
+    for job, d in sorted(demand.items()):
+        mine = [x for x in instances if (x.model, x.phase) == job]
+        usd = sum(x.usd_per_hour for x in mine)
+        cost_by_model.setdefault(job[0], {})[job[1]] = round(usd, 4)
+        jobs.append(
+            JobResult(
+                model=job[0],
+                phase=job[1],
+                unit="requests/s" if job[1] == "aggregated" else "tokens/s",
+                demand=round(d, 6),
+                throughput=round(sum(x.throughput for x in mine), 6),
+                usd_per_hour=round(usd, 4),
+                instances=len(mine),
+            )
+        )
+    if solution.report is not None:
+        penalty = max(0.0, solution.report.objective - sum(x.usd_per_hour for x in instances))
+    elif k:
+        penalty = k * sum(x.usd_per_hour for x in instances)
+    return Plan(
+        stack=stack,
+        method=method,
+        mode=fleet.library.mode,
+        served_fraction=solution.fraction,
+        hourly_cost_usd=round(sum(x.usd_per_hour for x in instances), 4),
+        startup_penalty_usd_per_hour=round(penalty, 4),
+        cost_by_model=cost_by_model,
+        jobs=jobs,
+        instances=instances,
+        templates=templates,
+        binding=solution.binding,
+        solver=solution.report,
+        input_hashes={
+            "libraries": digest({f"{m}/{p}": lib.input_hashes for (m, p), lib in libs.items()}),
+            "market": digest(
+                [
+                    market.as_rows(),
+                    sorted((f"{r}/{g}", n) for (r, g), n in market.gpu_pools.items()),
+                ]
+            ),
+            "demand": digest(sorted(demand.items())),
+            "allocation": digest(fleet.allocation.model_dump()),
+        },
+    )
+
+
+def plan_stack(
+    stack: str,
+    fleet: FleetConfig,
+    catalog: Catalog,
+    libs: dict[Job, Library],
+    previous: Plan | None = None,
+    method: Method = "coral",
+) -> Plan:
+    """Solve the allocation for a stack (or run a baseline) and assemble the plan."""
+    from solver.allocation.baselines import cauchy_columns, homo_solution
+
+    demand = stack_demand(fleet)
+    market = build_market(fleet, catalog)
+    templates = {job: lib.templates for job, lib in libs.items()}
+    columns = make_columns(templates, market, demand)
+    # Capacity to buy: demand over the target utilization (headroom for queueing).
+    needed = {job: d / fleet.allocation.target_utilization for job, d in demand.items()}
+    if method == "homo":
+        solution = homo_solution(fleet, market, needed, columns)
+    else:
+        if method == "cauchy":
+            columns = cauchy_columns(columns)
+        running = previous.counts() if previous is not None else {}
+        problem = Problem(needed, columns, market, fleet.allocation, running)
+        solution = solve_allocation(problem)
+    return plan_from_solution(stack, method, fleet, market, demand, columns, solution, libs)
+
+
+def plan_with_library(
+    stack: str,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    directory: Path,
+    previous: Plan | None = None,
+    method: Method = "coral",
+    workers: int = 2,
+    progress: Callable[[Job, int, int], None] | None = None,
+    rebuild_stale: bool = True,
+) -> Plan:
+    """Load (or build) the stack's libraries from `directory`, plan, and validate the plan.
+
+    What `coral plan` and the Pulumi program both run.
+    """
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet)), directory, True, workers, progress, rebuild_stale
+    )
+    plan = plan_stack(stack, fleet, perf.catalog, libs, previous, method)
+    return validate_plan(plan, fleet, perf.catalog, perf.cards)

@@ -1,0 +1,451 @@
+"""Event-driven simulation of a plan serving request traces: TTFT, TPOT, SLO attainment, goodput.
+
+What is modelled:
+
+- **Instances.** Each serving instance of the plan is a pipeline of its template's stages. A
+  stage's time comes from the same function the template library uses
+  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop). A
+  data-parallel stage (general mode: several members hold the same layers) splits each
+  micro-batch across its members in proportion to their speed, and takes as long as its slowest
+  share; its KV capacity is the sum of its members'.
+- **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
+  - a new prefill micro-batch can start every max_s(stage time), and each finishes after the
+    sum of its stages;
+  - decode advances every running sequence by one token per round of S x max_s(stage time at
+    the micro-batch size ceil(running / S)).
+- **Continuous batching.** Decode admits waiting requests at every event while their full KV
+  (prompt + output) fits the instance's KV capacity: the smallest stage capacity. So nothing is
+  preempted.
+- **Prefill.** FCFS, batching the prompts that have arrived, up to the KV capacity and
+  `max_batch_tokens`.
+- **Disaggregation** (as vLLM's PD proxy runs it). The prefill instance runs with
+  max_tokens=1. The KV cache then moves to a decode instance: prompt x KV bytes per token over
+  the decode node's network, plus one hop latency. The decode instance streams every output
+  token, so TTFT ends at decode's first token.
+- **Aggregated instances** time-share one pipeline between the phases, as vLLM's scheduler does
+  without chunked prefill: whenever arrived prompts fit (KV and the running cap), a prefill pass
+  runs and every running sequence waits for it; otherwise decode rounds run. So prefill passes
+  stall decoding, and TPOT includes the stalls.
+- **Routing** is the paper's: smooth weighted round-robin across a (model, phase)'s instances,
+  with weights = template throughput.
+
+Per request: TTFT, TPOT = (finish - first token) / (output - 1), end-to-end latency, and whether
+both SLOs are met (TTFT <= prefill SLO, TPOT <= decode SLO). Goodput = output tokens/s of the
+requests that met them. Between events, whole runs of decode rounds are skipped at once (to the
+next completion or arrival). Decode rounds are timed at each model's mean decode context.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from solver.performance.perf_model import PerfModel
+from solver.plan.schema import Plan, template_ref
+from solver.simulation.traces import Trace
+from solver.stack import FleetConfig
+from solver.templates.instance_model import InstanceModel
+
+
+@dataclass
+class ModelResult:
+    model: str
+    arrival_s: np.ndarray
+    first_token_s: np.ndarray
+    finish_s: np.ndarray
+    output: np.ndarray
+    slo_ttft_ms: float
+    slo_tpot_ms: float
+    max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
+
+    @property
+    def ttft_ms(self) -> np.ndarray:
+        return np.asarray((self.first_token_s - self.arrival_s) * 1e3, dtype=np.float64)
+
+    @property
+    def tpot_ms(self) -> np.ndarray:
+        steps = np.maximum(self.output - 1, 1)
+        with np.errstate(invalid="ignore"):  # unfinished requests: inf - inf
+            gap = (self.finish_s - self.first_token_s) * 1e3 / steps
+        tpot = np.where(self.output > 1, gap, 0.0)
+        return np.asarray(tpot, dtype=np.float64)
+
+    @property
+    def met(self) -> np.ndarray:
+        done = np.isfinite(self.finish_s)
+        met = done & (self.ttft_ms <= self.slo_ttft_ms) & (self.tpot_ms <= self.slo_tpot_ms)
+        return np.asarray(met, dtype=bool)
+
+
+@dataclass
+class SimResult:
+    duration_s: float
+    models: dict[str, ModelResult]
+
+    def summary(self) -> dict[str, object]:
+        """Totals over all models plus one entry per model (JSON-ready)."""
+
+        def pct(values: np.ndarray, q: float, digits: int) -> float | None:
+            finite = values[np.isfinite(values)]
+            return round(float(np.percentile(finite, q)), digits) if len(finite) else None
+
+        def stats(rs: list[ModelResult]) -> dict[str, float | int | None]:
+            ttft = np.concatenate([r.ttft_ms for r in rs])
+            tpot = np.concatenate([r.tpot_ms[r.output > 1] for r in rs])
+            met = np.concatenate([r.met for r in rs])
+            finished = np.concatenate([np.isfinite(r.finish_s) for r in rs])
+            good = sum(float(r.output[r.met].sum()) for r in rs)
+            return {
+                "requests": int(len(met)),
+                "finished": int(finished.sum()),
+                "goodput_tokens_per_s": round(good / self.duration_s, 3),
+                "slo_attainment": round(float(met.mean()), 4) if len(met) else 1.0,
+                "ttft_p50_ms": pct(ttft, 50, 2),
+                "ttft_p99_ms": pct(ttft, 99, 2),
+                "tpot_p50_ms": pct(tpot, 50, 3),
+                "tpot_p99_ms": pct(tpot, 99, 3),
+            }
+
+        out: dict[str, object] = dict(stats(list(self.models.values())))
+        out["by_model"] = {m: stats([r]) for m, r in sorted(self.models.items())}
+        return out
+
+
+def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
+    """nginx's smooth weighted round-robin: instance index for each of n requests, in order."""
+    current = [0.0] * len(weights)
+    total = sum(weights)
+    out = np.empty(n, dtype=np.int64)
+    for r in range(n):
+        for i, w in enumerate(weights):
+            current[i] += w
+        best = max(range(len(weights)), key=lambda i: (current[i], -i))
+        current[best] -= total
+        out[r] = best
+    return out
+
+
+def _chunked_prefill(
+    inst: InstanceModel, start: float, prompts: np.ndarray, limit: int
+) -> tuple[np.ndarray, float]:
+    """A batch of prompts streamed through the pipeline in chunks of at most `limit` tokens
+    (vLLM's chunked prefill, with --max-num-batched-tokens = limit), starting at `start`.
+    Returns each prompt's completion time (its last chunk out of the last stage) and when the
+    pipeline can take new work (the first stage is free again). The last chunk is timed at
+    its own size."""
+    total = int(prompts.sum())
+    chunk = min(total, limit)
+    n = math.ceil(total / chunk)
+    latency, period = inst.prefill_ms(chunk)
+    last_latency, last_period = inst.prefill_ms(total - (n - 1) * chunk)
+    k = np.ceil(np.cumsum(prompts) / chunk)  # the chunk each prompt ends in (1-based)
+    done_ms = np.where(k < n, latency + (k - 1) * period, (n - 1) * period + last_latency)
+    return start + done_ms / 1e3, start + ((n - 1) * period + last_period) / 1e3
+
+
+def _prefill_pass(
+    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, cap: int
+) -> np.ndarray:
+    """FCFS batched prefill on one instance: whenever the pipeline is free, the prompts that
+    have arrived, up to `limit` tokens (one prompt over it is chunked). Returns each request's
+    completion time (s)."""
+    n = len(arrival)
+    done = np.full(n, np.inf)
+    t_free, i = 0.0, 0
+    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
+    while i < n:
+        start = max(t_free, arrival[i])
+        j, tokens = i, 0
+        while j < n and arrival[j] <= start and (j == i or tokens + prompt[j] <= limit):
+            tokens += int(prompt[j])
+            j += 1
+        done[i:j], t_free = _chunked_prefill(inst, start, prompt[i:j], limit)
+        i = j
+    return done
+
+
+def _decode_pass(
+    inst: InstanceModel, ready: np.ndarray, context: np.ndarray, tokens: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Continuous-batching decode of `tokens` tokens per request, requests ready at `ready`
+    (sorted), each holding `context` KV tokens at the end. Returns (first decode token time,
+    finish time, peak KV tokens used)."""
+    n = len(ready)
+    first, finish = np.full(n, np.inf), np.full(n, np.inf)
+    run_idx = np.empty(0, dtype=np.int64)
+    run_left = np.empty(0, dtype=np.int64)
+    kv_used = peak = 0
+    t, nxt = 0.0, 0
+    while nxt < n or len(run_idx):
+        # Admit every ready request whose KV fits (FCFS: stop at the first that does not).
+        admit: list[int] = []
+        while (
+            nxt < n
+            and ready[nxt] <= t
+            and kv_used + context[nxt] <= inst.kv_capacity
+            and len(run_idx) + len(admit) < inst.max_running
+        ):
+            kv_used += int(context[nxt])
+            admit.append(nxt)
+            nxt += 1
+        if admit:
+            run_idx = np.concatenate([run_idx, np.array(admit, dtype=np.int64)])
+            run_left = np.concatenate([run_left, tokens[admit]])
+        if nxt < n and context[nxt] > inst.kv_capacity and ready[nxt] <= t and not len(run_idx):
+            nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
+            continue
+        peak = max(peak, kv_used)
+        if not len(run_idx):
+            t = max(t, ready[nxt])
+            continue
+        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
+        k = int(run_left.min())
+        blocked = nxt < n and (
+            kv_used + context[nxt] > inst.kv_capacity or len(run_idx) >= inst.max_running
+        )
+        if nxt < n and not blocked and ready[nxt] > t:
+            k = min(k, max(1, math.ceil((ready[nxt] - t) / round_s)))
+        new = np.isinf(first[run_idx])
+        first[run_idx[new]] = t + round_s
+        t, run_idx, run_left, kv_used = _rounds(
+            t, k, round_s, run_idx, run_left, finish, context, kv_used
+        )
+    return first, finish, peak
+
+
+def _rounds(
+    t: float,
+    k: int,
+    round_s: float,
+    run_idx: np.ndarray,
+    run_left: np.ndarray,
+    finish: np.ndarray,
+    context: np.ndarray,
+    kv_used: int,
+) -> tuple[float, np.ndarray, np.ndarray, int]:
+    """Run k decode rounds: sequences that finish leave (finish time set, KV freed)."""
+    t += k * round_s
+    run_left = run_left - k
+    done = run_left == 0
+    if done.any():
+        finish[run_idx[done]] = t
+        kv_used -= int(context[run_idx[done]].sum())
+        run_idx, run_left = run_idx[~done], run_left[~done]
+    return t, run_idx, run_left, kv_used
+
+
+def _aggregated_pass(
+    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, cap: int
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """Prefill and decode time-sharing one instance (requests sorted by arrival). Returns (first
+    token time = end of its prefill, finish time, peak KV tokens used).
+
+    Prefill has priority: whenever arrived prompts fit (KV and the running cap), all of them
+    stream through the pipeline in chunks of `limit` tokens and decode waits until the first
+    stage is free again; a request decodes once its prefill is out of the last stage. (Draining
+    the queue per prefill turn matters when a decode round is expensive: alternating one
+    prompt with one round would spend most of the time on rounds.)"""
+    n = len(arrival)
+    first, finish = np.full(n, np.inf), np.full(n, np.inf)
+    context = prompt + output
+    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
+    run_idx = np.empty(0, dtype=np.int64)  # decoding
+    run_left = np.empty(0, dtype=np.int64)
+    pend_idx = np.empty(0, dtype=np.int64)  # prefilled, not yet out of the pipeline
+    kv_used = peak = 0
+    t, nxt = 0.0, 0
+    while nxt < n or len(run_idx) or len(pend_idx):
+        if len(pend_idx):  # prefills out of the pipeline join decoding
+            ready = first[pend_idx] <= t
+            run_idx = np.concatenate([run_idx, pend_idx[ready]])
+            run_left = np.concatenate([run_left, output[pend_idx[ready]] - 1])
+            pend_idx = pend_idx[~ready]
+        # Requests with nothing left to decode finish with their first token.
+        done = run_left <= 0
+        if done.any():
+            finish[run_idx[done]] = first[run_idx[done]]
+            kv_used -= int(context[run_idx[done]].sum())
+            run_idx, run_left = run_idx[~done], run_left[~done]
+        if nxt < n and context[nxt] > inst.kv_capacity:
+            nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
+            continue
+        batch: list[int] = []
+        while (
+            nxt < n
+            and arrival[nxt] <= t
+            and kv_used + context[nxt] <= inst.kv_capacity
+            and len(run_idx) + len(pend_idx) + len(batch) < inst.max_running
+        ):
+            kv_used += int(context[nxt])
+            batch.append(nxt)
+            nxt += 1
+        peak = max(peak, kv_used)
+        if batch:
+            ids = np.array(batch, dtype=np.int64)
+            first[ids], t = _chunked_prefill(inst, t, prompt[ids], limit)
+            pend_idx = np.concatenate([pend_idx, ids])
+            continue
+        if not len(run_idx):
+            waits = [first[pend_idx].min()] if len(pend_idx) else []
+            if nxt < n and arrival[nxt] > t:  # an arrived one that did not fit waits for pend
+                waits.append(arrival[nxt])
+            if not waits:  # nothing left, or ready ones finished above
+                continue
+            t = max(t, min(waits))
+            continue
+        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
+        k = int(run_left.min())
+        blocked = nxt < n and (
+            kv_used + context[nxt] > inst.kv_capacity
+            or len(run_idx) + len(pend_idx) >= inst.max_running
+        )
+        if nxt < n and not blocked:  # stop decoding when the next prompt can start prefill
+            k = min(k, max(1, math.ceil((arrival[nxt] - t) / round_s)))
+        if len(pend_idx):  # or when a prefill comes out of the pipeline
+            k = min(k, max(1, math.ceil((first[pend_idx].min() - t) / round_s)))
+        t, run_idx, run_left, kv_used = _rounds(
+            t, k, round_s, run_idx, run_left, finish, context, kv_used
+        )
+    return first, finish, peak
+
+
+def simulate(
+    plan: Plan, fleet: FleetConfig, perf: PerfModel, traces: dict[str, Trace], duration_s: float
+) -> SimResult:
+    """Simulate every model's trace on the plan's instances."""
+    results = {}
+    for model, trace in sorted(traces.items()):
+        spec = fleet.models[model]
+        by_phase: dict[str, list[InstanceModel]] = {}
+        names: dict[str, list[str]] = {}
+        shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
+        for inst in plan.instances:
+            if inst.model != model:
+                continue
+            ref = template_ref(model, inst.phase, inst.template)
+            if ref not in shared:
+                shared[ref] = InstanceModel.serving(perf, plan.templates[ref], spec)
+            by_phase.setdefault(inst.phase, []).append(shared[ref])
+            names.setdefault(inst.phase, []).append(inst.key)
+        n = len(trace)
+        first = np.full(n, np.inf)
+        finish = np.full(n, np.inf)
+        peaks: dict[str, int] = {}
+        cap = perf.settings.max_batch_tokens
+        pre = by_phase.get("prefill", [])
+        dec = by_phase.get("decode", [])
+        agg = by_phase.get("aggregated", [])
+        if agg:
+            route = smooth_wrr([i.throughput for i in agg], n)
+            for k, agg_inst in enumerate(agg):
+                mine = np.flatnonzero(route == k)
+                fst, fin, peak = _aggregated_pass(
+                    agg_inst, trace.arrival_s[mine], trace.prompt[mine], trace.output[mine], cap
+                )
+                first[mine], finish[mine] = fst, fin
+                peaks[names["aggregated"][k]] = peak
+        elif pre and dec:
+            route = smooth_wrr([i.throughput for i in pre], n)
+            prefill_done = np.full(n, np.inf)
+            for k, pre_inst in enumerate(pre):
+                mine = np.flatnonzero(route == k)
+                prefill_done[mine] = _prefill_pass(
+                    pre_inst, trace.arrival_s[mine], trace.prompt[mine], cap
+                )
+            # vLLM's PD proxy: prefill runs with max_tokens=1, the KV moves, and the decode
+            # instance streams every output token, so the client's first token is decode's first.
+            need = trace.output
+            droute = smooth_wrr([i.throughput for i in dec], n)
+            for k, dec_inst in enumerate(dec):
+                mine = np.flatnonzero(droute == k)
+                kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
+                transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
+                    dec_inst.network_gbps * 1e9
+                )
+                ready = prefill_done[mine] + transfer
+                order = np.argsort(ready, kind="stable")
+                idx = mine[order]
+                has = need[idx] > 0
+                f = np.where(has, np.inf, prefill_done[idx])
+                if has.any():
+                    fst, fin, peak = _decode_pass(
+                        dec_inst,
+                        ready[order][has],
+                        (trace.prompt + trace.output)[idx][has],
+                        need[idx][has],
+                    )
+                    f[has] = fin
+                    first[idx[has]] = fst
+                    peaks[names["decode"][k]] = peak
+                finish[idx] = f
+        results[model] = ModelResult(
+            model,
+            trace.arrival_s,
+            first,
+            finish,
+            trace.output,
+            spec.slo_ms.prefill,
+            spec.slo_ms.decode,
+            peaks,
+        )
+    return SimResult(duration_s, results)
+
+
+def capacity_check(
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    duration_s: float = 600.0,
+    overload: float = 1.5,
+) -> list[dict[str, object]]:
+    """Each template of the plan driven alone at `overload` x its planned throughput, with every
+    request at the model's mean lengths: the throughput it sustains (completions in the last two
+    thirds of the run) next to the template library's figure. Units as the library's: prompt
+    tokens/s (prefill), output tokens/s (decode), requests/s (aggregated)."""
+    from solver.simulation.traces import WorkloadShape, generate_trace
+
+    fixed = WorkloadShape(1.0, 0.0, 0.0)  # Poisson arrivals, every request at the means
+    rows: list[dict[str, object]] = []
+    for ref in sorted({template_ref(i.model, i.phase, i.template) for i in plan.instances}):
+        template = plan.templates[ref]
+        spec = fleet.models[template.model]
+        inst = InstanceModel.serving(perf, template, spec)
+        per_request = {
+            "prefill": spec.mean_prompt_tokens,
+            "decode": spec.mean_output_tokens,
+            "aggregated": 1.0,
+        }[template.phase]
+        rate = overload * template.throughput / per_request
+        trace = generate_trace(
+            rate, duration_s, spec.mean_prompt_tokens, spec.mean_output_tokens, shape=fixed
+        )
+        cap = perf.settings.max_batch_tokens
+        if template.phase == "prefill":
+            finish = _prefill_pass(inst, trace.arrival_s, trace.prompt, cap)
+            work = trace.prompt
+        elif template.phase == "decode":
+            _, finish, _ = _decode_pass(
+                inst, trace.arrival_s, trace.prompt + trace.output, trace.output
+            )
+            work = trace.output
+        else:
+            _, finish, _ = _aggregated_pass(inst, trace.arrival_s, trace.prompt, trace.output, cap)
+            work = np.ones(len(trace), dtype=np.int64)
+        start = duration_s / 3
+        window = (finish >= start) & (finish < duration_s)
+        simulated = float(work[window].sum()) / (duration_s - start)
+        rows.append(
+            {
+                "model": template.model,
+                "phase": template.phase,
+                "template": template.key,
+                "library": round(template.throughput, 3),
+                "simulated": round(simulated, 3),
+                "ratio": round(simulated / template.throughput, 3),
+                "max_running": inst.max_running,
+                "kv_capacity_tokens": inst.kv_capacity,
+            }
+        )
+    return rows

@@ -1,0 +1,153 @@
+"""How one serving instance behaves: each stage's time at a batch size, its KV capacity, and the
+batch caps that keep both phases within their SLOs (vLLM's `--max-num-seqs` and
+`--max-num-batched-tokens`). One construction shared by the simulator, the capacity check and the
+Pulumi program's engine settings, so they can never disagree.
+
+A stage's time comes from the same function the library uses (`PerfModel.stage_time_ms`: its
+layers at its TP on its node, plus its outgoing hop). A data-parallel stage (general mode) splits
+each micro-batch across its members in proportion to their speed; its KV capacity is the sum of
+its members'.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from solver.performance.perf_model import PerfModel
+from solver.stack import ModelSpec
+from solver.templates.serving_template import ServingTemplate
+from solver.types import Phase
+
+
+@dataclass(frozen=True)
+class Member:
+    node: str  # node config whose speed and network apply (x1 for one-GPU processes)
+    tp: int
+
+
+@dataclass(frozen=True)
+class Stage:
+    members: tuple[Member, ...]  # more than one: data parallel, each with a share of the batch
+    layers: int
+    hop: bool
+
+
+class InstanceModel:
+    """Timing and KV capacity of one serving instance (cached per batch size)."""
+
+    def __init__(
+        self,
+        perf: PerfModel,
+        template: ServingTemplate,
+        spec_ctx: float,
+        prompt: float,
+        slo_ms: tuple[float, float] | None = None,
+    ) -> None:
+        self.perf, self.model = perf, template.model
+        self.throughput = template.throughput
+        card = perf.card(template.model)
+        s_count = len(template.stages)
+        self.stages: list[Stage] = []
+        for i, st in enumerate(template.stages):
+            members = []
+            for m in st.members:
+                cfg = perf.catalog.node(template.nodes[m.node])
+                node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
+                members.append(Member(node, m.tp))
+            self.stages.append(Stage(tuple(members), st.layers, hop=i < s_count - 1 or s_count > 1))
+        self.ctx, self.prompt = spec_ctx, prompt
+        # A data-parallel stage's share per member: proportional to the member's speed at a
+        # typical batch (decode: 32 sequences; prefill: one mean prompt).
+        self._shares = {
+            (i, phase): self._member_shares(i, phase)
+            for i in range(len(self.stages))
+            for phase in ("prefill", "decode")
+        }
+        self.kv_capacity = min(
+            sum(
+                perf.kv_capacity_tokens(card, perf.catalog.node(m.node), m.tp, s.layers)
+                for m in s.members
+            )
+            for s in self.stages
+        )
+        self.network_gbps = min(
+            perf.catalog.node(m.node).network_gbps for s in self.stages for m in s.members
+        )
+        self.kv_bytes_per_token = card.kv_bytes_per_token_per_layer * card.layers
+        self._decode: dict[int, float] = {}
+        self._prefill: dict[int, tuple[float, float]] = {}
+        # The runtime caps batches at what meets the SLO (vLLM's --max-num-seqs and
+        # --max-num-batched-tokens), as the template library assumed when it sized them.
+        self.max_running = 1 << 30
+        self.max_prefill_tokens = 1 << 30
+        if slo_ms is not None:
+            pre_slo, dec_slo = slo_ms
+            self.max_running = max(
+                1, _largest(lambda b: self.decode_round_ms(b) <= dec_slo, 1 << 16)
+            )
+            self.max_prefill_tokens = max(
+                64,
+                _largest(
+                    lambda x: self.prefill_ms(x)[0] <= pre_slo, perf.settings.max_batch_tokens
+                ),
+            )
+
+    def _member_shares(self, i: int, phase: Phase) -> tuple[float, ...]:
+        stage = self.stages[i]
+        if len(stage.members) == 1:
+            return (1.0,)
+        ref = 32 if phase == "decode" else max(1, round(self.prompt))
+        speed = [1.0 / self._member_ms(m, stage, phase, ref) for m in stage.members]
+        return tuple(v / sum(speed) for v in speed)
+
+    def _member_ms(self, m: Member, stage: Stage, phase: Phase, size: int) -> float:
+        context = self.ctx if phase == "decode" else self.prompt
+        return self.perf.stage_time_ms(
+            self.model, m.node, m.tp, phase, size, context, stage.layers, stage.hop
+        )
+
+    def stage_ms(self, i: int, phase: Phase, size: int) -> float:
+        """Stage i's time for a micro-batch of `size` (sequences or tokens): its slowest share."""
+        stage = self.stages[i]
+        return max(
+            self._member_ms(m, stage, phase, math.ceil(size * share))
+            for m, share in zip(stage.members, self._shares[(i, phase)], strict=True)
+        )
+
+    @classmethod
+    def serving(cls, perf: PerfModel, template: ServingTemplate, spec: ModelSpec) -> InstanceModel:
+        """The instance as it serves its model: the workload's mean context and prompt, and
+        batches capped at the SLO-feasible sizes (what the Pulumi program passes to vLLM)."""
+        slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
+        return cls(perf, template, spec.decode_context_tokens, spec.mean_prompt_tokens, slo)
+
+    def decode_round_ms(self, running: int) -> float:
+        if running not in self._decode:
+            micro = math.ceil(running / len(self.stages))
+            worst = max(self.stage_ms(i, "decode", micro) for i in range(len(self.stages)))
+            self._decode[running] = len(self.stages) * worst
+        return self._decode[running]
+
+    def prefill_ms(self, tokens: int) -> tuple[float, float]:
+        """(latency, period): sum and max of the stage times for a micro-batch of `tokens`."""
+        key = -(-tokens // 64) * 64  # cache at 64-token granularity (rounded up)
+        if key not in self._prefill:
+            times = [self.stage_ms(i, "prefill", key) for i in range(len(self.stages))]
+            self._prefill[key] = (sum(times), max(times))
+        return self._prefill[key]
+
+
+def _largest(ok: Callable[[int], bool], hi: int) -> int:
+    """Largest x in [1, hi] with ok(x), assuming ok is monotone (0 if ok(1) fails)."""
+    if not ok(1):
+        return 0
+    lo = 1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo

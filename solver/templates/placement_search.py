@@ -1,0 +1,149 @@
+"""Throughput-optimal placement of one model over one node multiset (paper Sec. 4.2).
+
+Input: for each pipeline-stage count S, a table `tables[S][k, j-1]` = T̂_j of node (or GPU
+process) k holding j layers under the per-stage budget SLO/S. Nodes sharing a stage split its load
+(data parallelism), so a stage's throughput is the sum of its members' T̂ at its layer count.
+
+Two exact methods that must agree (a property test checks it):
+
+- `place_fast`: for a set partition P of the nodes into S stages, a group G with T̂ non-increasing
+  in j can hold J(G, T) = #{j : g(G, j) >= T} layers at throughput T, where g(G, j) is the group's
+  summed T̂. P reaches T iff sum_G J(G, T) >= L and every J >= 1, so the best T of P is
+  min(L-th largest value of the union of g(G, .) over G in P, min_G g(G, 1)). Computed for every
+  partition at once with numpy; identical nodes are deduplicated so symmetric partitions are
+  evaluated once.
+- `solver.oracles.placement_ilp.place_ilp`: the paper's ILP per S, kept apart as a test oracle.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+
+import numpy as np
+
+Tables = dict[int, np.ndarray]  # S -> array (n nodes, L layers)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Stages as tuples of node indices, layers per stage, and the throughput reached."""
+
+    throughput: float
+    stages: tuple[tuple[int, ...], ...]
+    layers: tuple[int, ...]
+
+
+@cache
+def set_partitions(labels: tuple[int, ...]) -> dict[int, np.ndarray]:
+    """Set partitions of positions 0..n-1, deduplicated for positions with equal labels.
+
+    Returns S -> int array (partitions, S) of block bitmasks. Equal labels mean identical nodes,
+    so two partitions that map onto each other by swapping identical nodes are kept once.
+    """
+    n = len(labels)
+    seen: set[tuple[tuple[int, ...], ...]] = set()
+    out: dict[int, list[list[int]]] = {}
+
+    def rec(i: int, blocks: list[list[int]]) -> None:
+        if i == n:
+            canon = tuple(sorted(tuple(sorted(labels[p] for p in b)) for b in blocks))
+            if canon not in seen:
+                seen.add(canon)
+                out.setdefault(len(blocks), []).append([sum(1 << p for p in b) for b in blocks])
+            return
+        for b in blocks:
+            b.append(i)
+            rec(i + 1, blocks)
+            b.pop()
+        blocks.append([i])
+        rec(i + 1, blocks)
+        blocks.pop()
+
+    rec(0, [])
+    return {s: np.array(parts, dtype=np.int64) for s, parts in sorted(out.items())}
+
+
+@cache
+def _mask_matrix(n: int) -> np.ndarray:
+    """(2^n, n) 0/1 matrix: row m has ones at the members of bitmask m."""
+    return np.array([[(m >> k) & 1 for k in range(n)] for m in range(1 << n)], dtype=np.float64)
+
+
+def _monotone(table: np.ndarray) -> np.ndarray:
+    """Force T̂ non-increasing in j (a stage may always use the throughput of more layers)."""
+    return np.minimum.accumulate(table, axis=-1)
+
+
+def place_fast(
+    tables: Tables, n_layers: int, labels: tuple[int, ...], stage_counts: list[int] | None = None
+) -> Placement | None:
+    """Best placement over the given stage counts (default 1..n); None if nothing fits."""
+    n = len(labels)
+    parts = set_partitions(labels)
+    best: tuple[float, np.ndarray, np.ndarray] | None = None  # (T, group table, block masks)
+    for s in stage_counts or list(range(1, n + 1)):
+        if s not in parts or s not in tables or s > n_layers:
+            continue
+        g = _mask_matrix(n) @ _monotone(tables[s])  # (2^n, L) summed T̂ of every node group
+        masks = parts[s]  # (P, s)
+        stacked = g[masks]  # (P, s, L)
+        flat = stacked.reshape(len(masks), -1)
+        lth = -np.partition(-flat, n_layers - 1, axis=1)[:, n_layers - 1]
+        value = np.minimum(lth, stacked[:, :, 0].min(axis=1))
+        i = int(np.argmax(value))
+        t = float(value[i])
+        if t > 0 and (best is None or t > best[0] * (1 + 1e-12)):
+            best = (t, g, masks[i])
+    return None if best is None else _recover(best[1], best[2], best[0], n_layers)
+
+
+def layers_at(table: np.ndarray, t: float) -> list[int]:
+    """Per row of a non-increasing table: how many layers it can hold at throughput t."""
+    return [int(c) for c in (table >= t * (1 - 1e-12)).sum(axis=1)]
+
+
+def trim_surplus(js: list[int], n_layers: int) -> list[int]:
+    """Layer counts summing to n_layers: the surplus comes off the largest stages first.
+
+    Same result as taking one layer at a time off the largest stage (lowest index on ties), in
+    closed form: cap every stage at the lowest level h that still holds n_layers, then take the
+    remaining surplus off the stages at h, lowest index first.
+    """
+    if sum(js) <= n_layers:
+        return list(js)
+    arr = np.asarray(js, dtype=np.int64)
+    lo, hi = 1, int(arr.max())
+    while lo < hi:  # smallest h with sum(min(js, h)) >= n_layers
+        mid = (lo + hi) // 2
+        if int(np.minimum(arr, mid).sum()) >= n_layers:
+            hi = mid
+        else:
+            lo = mid + 1
+    capped = np.minimum(arr, lo)
+    extra = int(capped.sum()) - n_layers
+    capped[np.flatnonzero(capped == lo)[:extra]] -= 1
+    return [int(v) for v in capped]
+
+
+def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
+    """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
+    js = trim_surplus(layers_at(g[masks], t), n_layers)
+    stages = tuple(tuple(k for k in range(64) if (int(m) >> k) & 1) for m in masks)
+    order = sorted(range(len(stages)), key=lambda i: stages[i])
+    achieved = min(float(g[masks[i], js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, tuple(stages[i] for i in order), tuple(js[i] for i in order))
+
+
+def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:
+    """One stage per row, in row order (vLLM's pipeline): T = min(L-th largest, each T̂_1)."""
+    if table.shape[0] > n_layers:
+        return None
+    mono = _monotone(table)
+    lth = float(-np.partition(-mono.ravel(), n_layers - 1)[n_layers - 1])
+    t = min(lth, float(mono[:, 0].min()))
+    if t <= 0:
+        return None
+    js = trim_surplus(layers_at(mono, t), n_layers)
+    achieved = min(float(mono[i, js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))

@@ -1,0 +1,22 @@
+"""The vocabulary every stage shares, defined once: phases, runtime modes, jobs, frozen models."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import ConfigDict
+
+Phase = Literal["prefill", "decode"]
+"""A request's two phases; SLOs are per phase (prefill: TTFT-like ms, decode: ms per token)."""
+
+LibPhase = Literal["prefill", "decode", "aggregated"]
+"""What a serving template serves: one phase (disaggregated), or both on one pipeline."""
+
+Mode = Literal["vllm", "general"]
+"""Runtime capability: placements stock vLLM runs, or the paper's full PP+DP space."""
+
+Job = tuple[str, LibPhase]
+"""(model id, library phase): one row of demand and one set of serving templates."""
+
+FROZEN = ConfigDict(frozen=True, extra="forbid")
+"""Every boundary model: immutable once parsed, and unknown keys are errors."""
