@@ -38,79 +38,15 @@ next completion or arrival). Decode rounds are timed at each model's mean decode
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
 
 import numpy as np
 
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import Plan, template_ref
+from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.traces import Trace
 from solver.stack import FleetConfig
 from solver.templates.instance_model import InstanceModel
-
-
-@dataclass
-class ModelResult:
-    model: str
-    arrival_s: np.ndarray
-    first_token_s: np.ndarray
-    finish_s: np.ndarray
-    output: np.ndarray
-    slo_ttft_ms: float
-    slo_tpot_ms: float
-    max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
-
-    @property
-    def ttft_ms(self) -> np.ndarray:
-        return np.asarray((self.first_token_s - self.arrival_s) * 1e3, dtype=np.float64)
-
-    @property
-    def tpot_ms(self) -> np.ndarray:
-        steps = np.maximum(self.output - 1, 1)
-        with np.errstate(invalid="ignore"):  # unfinished requests: inf - inf
-            gap = (self.finish_s - self.first_token_s) * 1e3 / steps
-        tpot = np.where(self.output > 1, gap, 0.0)
-        return np.asarray(tpot, dtype=np.float64)
-
-    @property
-    def met(self) -> np.ndarray:
-        done = np.isfinite(self.finish_s)
-        met = done & (self.ttft_ms <= self.slo_ttft_ms) & (self.tpot_ms <= self.slo_tpot_ms)
-        return np.asarray(met, dtype=bool)
-
-
-@dataclass
-class SimResult:
-    duration_s: float
-    models: dict[str, ModelResult]
-
-    def summary(self) -> dict[str, object]:
-        """Totals over all models plus one entry per model (JSON-ready)."""
-
-        def pct(values: np.ndarray, q: float, digits: int) -> float | None:
-            finite = values[np.isfinite(values)]
-            return round(float(np.percentile(finite, q)), digits) if len(finite) else None
-
-        def stats(rs: list[ModelResult]) -> dict[str, float | int | None]:
-            ttft = np.concatenate([r.ttft_ms for r in rs])
-            tpot = np.concatenate([r.tpot_ms[r.output > 1] for r in rs])
-            met = np.concatenate([r.met for r in rs])
-            finished = np.concatenate([np.isfinite(r.finish_s) for r in rs])
-            good = sum(float(r.output[r.met].sum()) for r in rs)
-            return {
-                "requests": int(len(met)),
-                "finished": int(finished.sum()),
-                "goodput_tokens_per_s": round(good / self.duration_s, 3),
-                "slo_attainment": round(float(met.mean()), 4) if len(met) else 1.0,
-                "ttft_p50_ms": pct(ttft, 50, 2),
-                "ttft_p99_ms": pct(ttft, 99, 2),
-                "tpot_p50_ms": pct(tpot, 50, 3),
-                "tpot_p99_ms": pct(tpot, 99, 3),
-            }
-
-        out: dict[str, object] = dict(stats(list(self.models.values())))
-        out["by_model"] = {m: stats([r]) for m, r in sorted(self.models.items())}
-        return out
 
 
 def smooth_wrr(weights: list[float], n: int) -> np.ndarray:

@@ -8,7 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from solver.types import FROZEN
+from solver.types import FROZEN, Phase
 
 
 class PointRecord(BaseModel):
@@ -27,7 +27,7 @@ class MeasurementRecord(BaseModel):
     model_config = FROZEN
     model: str = Field(description="Model card id.")
     node: str = Field(description="Node config the table describes, <gpu>x<count>.")
-    phase: Literal["prefill", "decode"]
+    phase: Phase
     engine: Literal["torch", "vllm"] = Field(description="Who ran the layer.")
     method: str = Field(description="How ms per layer was obtained.")
     device: str = Field(description="Device name as the driver reports it, or 'cpu'.")

@@ -80,7 +80,7 @@ def _one(
         repeats=2 if smoke else 10,
         tp=tp,
         budget_s=budget_s * 0.8,  # the last size started may overrun
-        command=" ".join(["python -m profiler.suite", *sys.argv[1:]]),
+        command=" ".join(["python -m solver.performance.profiler.suite", *sys.argv[1:]]),
     )
     t0 = time.monotonic()
     try:
