@@ -11,13 +11,13 @@ import pytest
 
 from coral_iac.preview import PreviewResult, preview_stack
 from coral_iac.program import ProgramOptions, utc_now
-from solver.performance.calibration import CalibrationFile, load_helix_dir
+from solver.performance.calibration import CalibrationFile, helix_data_dir, load_helix_dir
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import Plan
 
 REPO = Path(__file__).resolve().parents[1]
-HELIX_DIR = REPO.parent / "shared" / "calibration" / "helix"
+HELIX_DIR = helix_data_dir()  # vendored: the repo reads nothing outside itself
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 

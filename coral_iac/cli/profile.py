@@ -16,8 +16,6 @@ from solver.types import Phase
 profile_app = typer.Typer(
     help="The performance model: layer times and profile tables T̂.", no_args_is_help=True
 )
-DEFAULT_HELIX_DIR = Path("../shared/calibration/helix")
-
 
 
 @profile_app.command("layer-time")
@@ -138,7 +136,14 @@ def profile_table(
 @profile_app.command("calibrate")
 @reports_errors
 def profile_calibrate(
-    data: Annotated[Path, typer.Option(help="Folder of Helix per-layer CSVs.")] = DEFAULT_HELIX_DIR,
+    data: Annotated[
+        Path | None,
+        typer.Option(
+            help="Folder of Helix per-layer CSVs (default: the packaged Helix data, "
+            "solver/data/calibration/helix/).",
+            show_default=False,
+        ),
+    ] = None,
     write: Annotated[
         bool,
         typer.Option(
@@ -163,16 +168,18 @@ def profile_calibrate(
     from solver.catalog.offers import load_catalog
     from solver.io import data_path
     from solver.performance.calibration import (
+        HELIX_SOURCE,
         error_table,
         fit,
+        helix_data_dir,
         load_calibration,
         load_helix_dir,
         load_profiler_dir,
     )
 
-    files, cards, cat = load_helix_dir(data), load_model_cards(), load_catalog()
-    source = "Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/"
-    command = "coral profile calibrate --write"
+    files, cards, cat = load_helix_dir(data or helix_data_dir()), load_model_cards(), load_catalog()
+    source = HELIX_SOURCE if data is None else f"Helix-format per-layer timings, {data}"
+    command = "coral profile calibrate --write" + ("" if data is None else f" --data {data}")
     if measured is not None:
         files += load_profiler_dir(measured, cat)
         source += f"; coral profile measure tables, {measured}"
@@ -263,5 +270,3 @@ def profile_measure(
     )  # fmt: skip
     path, record = run_measure(spec, out_dir, engine, tiny, hf_config, vllm_layers, err.print)
     err.print(f"Wrote {path} ({len(record.points)} sizes, {record.device}, {record.dtype})")
-
-

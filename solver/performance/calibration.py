@@ -1,13 +1,13 @@
 """Fit the performance model's efficiency factors to measured per-layer timings.
 
-Data: the Helix artifact's per-layer CSVs (`../shared/calibration/helix/`, Apache-2.0): prefill and
-decode of Llama-2-70B and LLaMA-1-30B on single A100-40GB, L4 and T4 GPUs. Fitted per GPU type:
-decode memory and compute efficiency, prefill compute efficiency and a per-layer overhead for each
-phase. Fitted once for all files: the decode context and the prefill prompt length Helix's
-profiler used, which its files do not record. The fit minimises squared log error (relative error)
-with scipy's bounded least squares; the median of the fitted GPUs' factors is the default for GPU
-types with no measurements (H100, L40S, A10G, V100, A100-80GB), which is an extrapolation and is
-reported as such.
+Data: the Helix artifact's per-layer CSVs (vendored in `solver/data/calibration/helix/` with their
+Apache-2.0 licence and source): prefill and decode of Llama-2-70B and LLaMA-1-30B on single
+A100-40GB, L4 and T4 GPUs. Fitted per GPU type: decode memory and compute efficiency, prefill
+compute efficiency and a per-layer overhead for each phase. Fitted once for all files: the decode
+context and the prefill prompt length Helix's profiler used, which its files do not record. The
+fit minimises squared log error (relative error) with scipy's bounded least squares; the median of
+the fitted GPUs' factors is the default for GPU types with no measurements (H100, L40S, A10G,
+V100, A100-80GB), which is an extrapolation and is reported as such.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from solver.types import Phase
 # Helix file prefixes -> our ids. Helix's GPUs are single-GPU Google Cloud VMs.
 HELIX_GPUS = {"a100": "a100-40gb", "l4": "l4", "t4": "t4"}
 HELIX_PHASES: dict[str, Phase] = {"prompt": "prefill", "decode": "decode"}
+HELIX_SOURCE = "Helix-ASPLOS25 per-layer timings (Apache-2.0), solver/data/calibration/helix/"
 EFF_FIELDS = list(Efficiency.model_fields)
 
 
@@ -53,6 +54,11 @@ class CalibrationFile:
     phase: Phase
     points: tuple[tuple[float, float], ...]
     context: float | None = None
+
+
+def helix_data_dir() -> Path:
+    """The packaged folder of Helix per-layer CSVs (the default calibration data)."""
+    return data_path("calibration/helix")
 
 
 def load_helix_dir(directory: Path) -> list[CalibrationFile]:
@@ -167,7 +173,7 @@ def fit(
     cards: dict[str, ModelCard],
     catalog: Catalog,
     settings: PerfSettings | None = None,
-    source: str = "Helix-ASPLOS25 per-layer timings (Apache-2.0), ../shared/calibration/helix/",
+    source: str = HELIX_SOURCE,
     command: str = "coral profile calibrate --write",
 ) -> CalibrationData:
     """Fit efficiencies per GPU and the two shared unknowns; returns the data file's content."""

@@ -1,4 +1,4 @@
-"""The performance model against the measured Helix timings (../shared/calibration/helix/)."""
+"""The performance model against the measured Helix timings (solver/data/calibration/helix/)."""
 
 from __future__ import annotations
 

@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from tests.conftest import FIXTURES, HELIX_DIR
+from tests.conftest import FIXTURES, HELIX_DIR, REPO
 
 runner = CliRunner()
 
@@ -178,6 +182,59 @@ def test_calibrate_reports_every_file():
     assert len(json.loads(r.stdout)) == 12
 
 
+def test_calibrate_default_data_is_the_packaged_helix_folder():
+    r = run("profile", "calibrate", "--json")
+    assert r.exit_code == 0, r.output
+    assert {row["name"] for row in json.loads(r.stdout)} == {
+        p.name for p in HELIX_DIR.glob("*.csv")
+    }
+
+
+def _copy_of_the_repo(dest: Path) -> Path:
+    """The repository's files as a clone would hold them (tracked, or new and not ignored)."""
+    listing = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+        cwd=REPO,
+        capture_output=True,
+        check=False,
+        text=True,
+    )
+    if listing.returncode != 0:
+        pytest.skip("not a git checkout: no file list to copy")
+    for name in filter(None, listing.stdout.split("\0")):
+        src = REPO / name
+        if src.is_file():
+            (dest / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dest / name)
+    return dest
+
+
+def test_a_copy_without_shared_beside_it_calibrates(tmp_path):
+    """The repo is self-contained: a copy with no `shared` folder beside it runs `coral profile
+    calibrate` on its packaged data (the old default, a `shared/` sibling's Helix folder, exits 1
+    here: "calibration folder not found")."""
+    copy = _copy_of_the_repo(tmp_path / "repo")
+    assert not (copy.parent / "shared").exists()
+    code = (
+        "from pathlib import Path; import solver; "
+        "assert Path(solver.__file__).is_relative_to(Path.cwd()), solver.__file__; "
+        "from coral_iac.cli.app import app; app()"
+    )
+    env = os.environ | {"PYTHONPATH": str(copy)}
+    env.pop("CORAL_MEASURED_DIR", None)
+    r = subprocess.run(
+        [sys.executable, "-c", code, "profile", "calibrate", "--json"],
+        cwd=copy,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert r.returncode == 0, r.stderr
+    assert len(json.loads(r.stdout)) == 12
+
+
 def test_templates_build_then_show_json(tmp_path, monkeypatch):
     """`templates build` writes one file per model/phase; `show --json` ranks by tokens/s/$."""
     monkeypatch.chdir(Path(__file__).resolve().parents[2])  # stacks/ is relative to the project
@@ -232,7 +289,18 @@ def test_templates_build_rejects_bad_options(tmp_path, monkeypatch, option, valu
 
 def test_error_messages_keep_brackets():
     """Errors are plain text: Rich markup would swallow `[4]` (or `coral-iac[profile]`)."""
-    r = run("profile", "layer-time", "--model", "phi-[4]", "--node", "l4x1", "--phase", "decode", "--batch", "1")
+    r = run(
+        "profile",
+        "layer-time",
+        "--model",
+        "phi-[4]",
+        "--node",
+        "l4x1",
+        "--phase",
+        "decode",
+        "--batch",
+        "1",
+    )
     assert r.exit_code == 1 and "phi-[4]" in r.output
 
 
