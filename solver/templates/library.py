@@ -90,7 +90,11 @@ def input_hashes(
                     g: e.model_dump() for g, e in sorted(perf.calibration.gpus.items())
                 },
                 "default": perf.calibration.default.model_dump(),
-                "measured": sorted(map(str, perf.measured.tables)),
+                # The parsed points, not only the keys: a re-measured table must mark it stale.
+                "measured": {
+                    "/".join(key): {"x": list(t.x), "ms": list(t.ms)}
+                    for key, t in sorted(perf.measured.tables.items())
+                },
             }
         ),
         "slo_and_workload": digest(

@@ -6,12 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from solver.errors import InputError
+from solver.errors import CoralError, InputError
+from solver.performance.default_model import load_perf_model
 from solver.stack import load_stack
 from solver.templates.library import build_libraries, build_library, load_library, save_library
 from solver.templates.pruning import prune_dominated
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
+SIZES = (128, 1024, 4096, 16384)  # prefill tokens of a measured table
 
 
 def test_library_round_trip_and_stale_detection(perf, tmp_path):
@@ -98,3 +100,26 @@ def test_ray_executor_matches_process_pool(perf):
     on_ray = build_libraries(perf, fleet, jobs, workers=2, executor="ray")
     local = build_libraries(perf, fleet, jobs, workers=2)
     assert [lib.model_dump() for lib in on_ray] == [lib.model_dump() for lib in local]
+
+
+def _write_table(folder: Path, name: str, points: list[tuple[int, float]]) -> None:
+    (folder / name).write_text("".join(f"{x},{ms:.6f}\n" for x, ms in points))
+
+
+def test_remeasured_table_with_the_same_key_makes_the_library_stale(perf, tmp_path):
+    """The hash covers a measured table's values, not only its (model, node, phase) key."""
+    fleet = load_stack(STACKS, "paper-core")
+    name = "gpt-oss-20b__l4x1__prefill.csv"
+    points = [(x, perf.layer_time("gpt-oss-20b", "l4x1", "prefill", x, 1024).ms) for x in SIZES]
+    measured, libs = tmp_path / "measured", tmp_path / "lib"
+    measured.mkdir()
+    _write_table(measured, name, points)
+    timed = load_perf_model(measured)
+    assert timed.layer_time("gpt-oss-20b", "l4x1", "prefill", 1024, 1024).source == "measured"
+    save_library(build_library(timed, fleet, "gpt-oss-20b", "prefill"), libs)
+    # Same table re-read: still fresh (the hash is deterministic).
+    load_library(libs, load_perf_model(measured), fleet, "gpt-oss-20b", "prefill")
+    # Re-measured: one value changes, the file name (the table's key) does not.
+    _write_table(measured, name, [*points[:-1], (points[-1][0], points[-1][1] * 1.5)])
+    with pytest.raises(CoralError, match="perf_model"):
+        load_library(libs, load_perf_model(measured), fleet, "gpt-oss-20b", "prefill")
