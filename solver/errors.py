@@ -52,3 +52,27 @@ def unknown_value(field: str, value: str, known: Iterable[str], kind: str) -> In
         f"use one of: {', '.join(known_list)}",
         close,
     )
+
+
+class StaleLibraryError(InputError):
+    """A template library whose inputs changed since it was built (the changed ones named).
+
+    Raised by `load_library`; callers that may rebuild catch it by type.
+    """
+
+
+class AllocationError(CoralError):
+    """The allocation ILP gave no plan: the backend is missing, or a solve ended without one.
+
+    Args:
+        problem: what failed, with the solver's status and limits.
+        status: the solver's status in words (``"infeasible"``, ``"not solved"``), or
+            ``"unavailable"`` when the backend could not be created.
+        fix: what the user should change.
+    """
+
+    def __init__(self, problem: str, status: str, fix: str) -> None:
+        self.problem = problem
+        self.status = status
+        self.fix = fix
+        super().__init__(f"allocation: {problem}\n  To fix: {fix}")

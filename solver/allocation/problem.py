@@ -77,5 +77,3 @@ def upper_bound(col: Column, market: Market, demand: float) -> int:
         default=by_avail,
     )
     return max(0, min(by_avail, by_pool, math.ceil(demand / col.template.throughput - 1e-9)))
-
-

@@ -1,0 +1,150 @@
+"""The allocation ILP's variables and constraint families, one function each (paper Sec. 4.3).
+
+Notation (shared by `objective` and `explain`):
+
+- nu[r,t]: integer instances of template t in region r (one column of the problem);
+- U[c,t]: nodes of config c one instance of t uses; A[r,c]: nodes of config c region r sells;
+- P[r,g]: GPUs of type g in region r's pool, where one is set; n_g(c): GPUs per node of c;
+- T(t): an instance's throughput; D[m]: demand of job m = (model, phase), in T's unit;
+- p[r,t]: $/hour of one instance; B: the budget; K: the start-up penalty (boot / interval);
+- nu0[r,t]: the running plan; phi: the served fraction, an integer in steps of
+  1 / FRACTION_STEPS (or a fixed fraction f).
+
+Every constraint is named after its family and index (``avail[aws:us-east-2,l4x1]``), so an
+exported model (`solver.ExportModelAsLpFormat`) reads like this list.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ortools.linear_solver import pywraplp
+
+from solver.allocation.problem import Problem, upper_bound
+from solver.catalog.market import RegionId, region_name
+from solver.types import Job
+
+FRACTION_STEPS = 10_000  # phi is solved in steps of 0.01%
+
+Slot = tuple[RegionId, str]  # (region, node config)
+Row = tuple[Any, float]  # a constraint's left-hand expression and its limit (for `explain`)
+
+
+def column_name(problem: Problem, i: int) -> str:
+    """A column's readable name: ``[aws:us-east-2,phi-4/decode/<template key>]``."""
+    c = problem.columns[i]
+    return f"[{region_name(c.region)},{c.job[0]}/{c.job[1]}/{c.template.key}]"
+
+
+def instance_counts(solver: pywraplp.Solver, problem: Problem) -> list[Any]:
+    """nu[r,t] in {0, ..., ub[r,t]}, one integer per column.
+
+    ub[r,t] = min(min_c A[r,c] // U[c,t], min_g P[r,g] // sum_c U[c,t] n_g(c),
+    ceil(D[m] / T(t))): more than availability allows is infeasible, and more than demand needs
+    is never cheaper.
+    """
+    return [
+        solver.IntVar(
+            0, upper_bound(c, problem.market, problem.demand[c.job]), f"nu{column_name(problem, i)}"
+        )
+        for i, c in enumerate(problem.columns)
+    ]
+
+
+def node_usage(problem: Problem) -> dict[Slot, list[tuple[int, int]]]:
+    """(r, c) -> [(column index, U[c,t])] over the columns that use node config c in r."""
+    use: dict[Slot, list[tuple[int, int]]] = {}
+    for i, col in enumerate(problem.columns):
+        for node, k in col.usage:
+            use.setdefault((col.region, node), []).append((i, k))
+    return use
+
+
+def add_availability(
+    solver: pywraplp.Solver, problem: Problem, nu: list[Any], use: dict[Slot, list[tuple[int, int]]]
+) -> dict[Slot, Row]:
+    """Availability, for every (r, c) some column uses: sum_t U[c,t] nu[r,t] <= A[r,c].
+
+    Returns:
+        (r, c) -> (left-hand side, A[r,c]), to tell later which rows are saturated.
+    """
+    rows: dict[Slot, Row] = {}
+    for slot, terms in sorted(use.items()):
+        expr = solver.Sum([k * nu[i] for i, k in terms])
+        limit = problem.market.available[slot]
+        rows[slot] = (expr, limit)
+        solver.Add(expr <= limit, name=f"avail[{region_name(slot[0])},{slot[1]}]")
+    return rows
+
+
+def add_gpu_pools(
+    solver: pywraplp.Solver, problem: Problem, nu: list[Any], use: dict[Slot, list[tuple[int, int]]]
+) -> dict[tuple[RegionId, str], Row]:
+    """GPU pools, for every (r, g) with a pool: sum_t sum_c U[c,t] n_g(c) nu[r,t] <= P[r,g],
+    the sum over the node configs c whose GPU is g.
+
+    Returns:
+        (r, g) -> (left-hand side, P[r,g]) for the pools some column uses.
+    """
+    market = problem.market
+    rows: dict[tuple[RegionId, str], Row] = {}
+    for (region, gpu), gpus in sorted(market.gpu_pools.items()):
+        terms = [
+            k * market.gpu_of[n][1] * nu[i]
+            for (r, n), items in use.items()
+            if r == region and market.gpu_of[n][0] == gpu
+            for i, k in items
+        ]
+        if terms:
+            expr = solver.Sum(terms)
+            rows[(region, gpu)] = (expr, gpus)
+            solver.Add(expr <= gpus, name=f"pool[{region_name(region)},{gpu}]")
+    return rows
+
+
+def add_demand(
+    solver: pywraplp.Solver, problem: Problem, nu: list[Any], phi: Any | None, fraction: float
+) -> None:
+    """Demand, for every job m with D[m] > 0: sum_{r, t of m} T(t) nu[r,t] >= D[m] phi /
+    FRACTION_STEPS when phi is a variable (the most-served solve), else >= D[m] f."""
+    by_job: dict[Job, list[int]] = {}
+    for i, c in enumerate(problem.columns):
+        by_job.setdefault(c.job, []).append(i)
+    for job, d in sorted(problem.demand.items()):
+        if d <= 0:
+            continue
+        supply = solver.Sum(
+            [problem.columns[i].template.throughput * nu[i] for i in by_job.get(job, [])]
+        )
+        need = (d / FRACTION_STEPS) * phi if phi is not None else d * fraction
+        solver.Add(supply >= need, name=f"demand[{job[0]}/{job[1]}]")
+
+
+def add_colocation(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> None:
+    """Colocation, for every disaggregated model m and region r, with open[m,r] binary and
+    ph in (prefill, decode): open[m,r] <= sum_{t of (m, ph)} nu[r,t] <= M open[m,r], M the sum
+    of those nu's bounds. So a region hosts both phases of m or neither."""
+    demand = problem.demand
+    paired = {
+        m
+        for (m, ph), d in demand.items()
+        if ph == "prefill" and d > 0 and demand.get((m, "decode"), 0) > 0
+    }
+    groups: dict[tuple[str, RegionId], dict[str, list[int]]] = {}
+    for i, c in enumerate(problem.columns):
+        if c.job[0] in paired and c.job[1] in ("prefill", "decode"):
+            groups.setdefault((c.job[0], c.region), {}).setdefault(c.job[1], []).append(i)
+    for (model, region), phases in sorted(groups.items()):
+        where = f"{model},{region_name(region)}"
+        used = solver.BoolVar(f"open[{where}]")
+        for phase in ("prefill", "decode"):
+            idx = phases.get(phase, [])
+            count = solver.Sum([nu[i] for i in idx])
+            big = sum(nu[i].ub() for i in idx)
+            solver.Add(count <= big * used, name=f"colocate_max[{where},{phase}]")
+            solver.Add(count >= used, name=f"colocate_min[{where},{phase}]")
+
+
+def add_budget(solver: pywraplp.Solver, cost: Any, budget: float) -> None:
+    """Budget: sum_{r,t} p[r,t] nu[r,t] <= B, `cost` being the left-hand side."""
+    solver.Add(cost <= budget, name="budget")

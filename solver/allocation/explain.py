@@ -1,0 +1,129 @@
+"""Why a plan serves less than all demand: the constraints at their limit, in words a user can
+act on (each line names the `coral:fleet` key to raise). Notation: `constraints`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from solver.allocation.constraints import FRACTION_STEPS, Row, Slot
+from solver.allocation.problem import Problem, upper_bound
+from solver.catalog.market import RegionId, region_name
+from solver.types import Job
+
+
+@dataclass(frozen=True)
+class MostServed:
+    """The solved most-served model: its counts nu, its rows, phi, and phi without the budget."""
+
+    counts: dict[int, int]
+    slot_rows: dict[Slot, Row]
+    pool_rows: dict[tuple[RegionId, str], Row]
+    phi_steps: int
+    unbudgeted_steps: int | None  # None: the stack sets no budget
+
+
+def binding(problem: Problem, solved: MostServed) -> list[str]:
+    """Constraints at their limit in the most-served solution, each as an actionable line."""
+    out = [
+        *_full_slots(problem, solved),
+        *_full_pools(solved),
+        *_budget(problem, solved),
+        *_short_alone(problem),
+    ]
+    return out or [_no_common_instance(problem)]
+
+
+def _full_slots(problem: Problem, solved: MostServed) -> list[str]:
+    """(r, c) with sum_t U[c,t] nu[r,t] = A[r,c] > 0, with the jobs using its nodes."""
+    users: dict[Slot, dict[Job, int]] = {}
+    for i, n in solved.counts.items():
+        c = problem.columns[i]
+        for node, k in c.usage if n else ():
+            per = users.setdefault((c.region, node), {})
+            per[c.job] = per.get(c.job, 0) + n * k
+    out = []
+    for (region, node), (expr, limit) in solved.slot_rows.items():
+        if limit > 0 and expr.solution_value() >= limit - 1e-6:
+            who = ", ".join(
+                f"{m} {ph} {k}" for (m, ph), k in sorted(users.get((region, node), {}).items())
+            )
+            out.append(
+                f"{region_name(region)} {node}: all {limit} available nodes are in use ({who}); "
+                f"raise its count under coral:fleet.availability, or allow another region or node config"
+            )
+    return out
+
+
+def _full_pools(solved: MostServed) -> list[str]:
+    """(r, g) with its pool P[r,g] > 0 all in use."""
+    return [
+        f"{region_name(region)} {gpu} GPU pool: all {limit} GPUs are in use; "
+        f"raise it under coral:fleet.gpu_pools"
+        for (region, gpu), (expr, limit) in solved.pool_rows.items()
+        if limit > 0 and expr.solution_value() >= limit - 1e-6
+    ]
+
+
+def _budget(problem: Problem, solved: MostServed) -> list[str]:
+    """The budget, when lifting it serves more. Integer instances rarely spend a budget
+    exactly, so this compares phi with the most-served phi without the budget."""
+    budget = problem.settings.budget_usd_per_hour
+    if budget is None or solved.unbudgeted_steps is None:
+        return []
+    if solved.unbudgeted_steps <= solved.phi_steps:
+        return []
+    return [
+        f"budget: {budget} $/hour serves {solved.phi_steps / FRACTION_STEPS:.1%} "
+        f"of demand, without it {solved.unbudgeted_steps / FRACTION_STEPS:.1%}; "
+        f"raise coral:fleet.allocation.budget_usd_per_hour"
+    ]
+
+
+def _short_alone(problem: Problem) -> list[str]:
+    """Jobs m whose columns cannot reach D[m] even with every node to themselves."""
+    cols, market = problem.columns, problem.market
+    alone: dict[Job, float] = {}
+    for c in cols:
+        ub = upper_bound(c, market, problem.demand[c.job] * 1e6)
+        alone[c.job] = alone.get(c.job, 0.0) + c.template.throughput * ub
+    out = []
+    for job in sorted(problem.demand):
+        d = problem.demand[job]
+        if d <= 0 or alone.get(job, 0.0) >= d:
+            continue
+        if job not in alone:
+            out.append(
+                f"{job[0]} {job[1]}: no serving template fits any region's node configs; "
+                f"add larger node configs or regions, or relax its SLO"
+            )
+            continue
+        short = sorted(
+            {
+                f"{n} in {region_name(c.region)} ({market.available[(c.region, n)]})"
+                for c in cols
+                if c.job == job
+                for n, _ in c.usage
+            }
+        )
+        out.append(
+            f"{job[0]} {job[1]}: even with every node to itself it gets "
+            f"{100 * alone[job] / d:.0f}% of its demand; its templates use "
+            f"{', '.join(short[:6])}{' ...' if len(short) > 6 else ''} (available nodes in "
+            f"brackets): raise those under coral:fleet.availability or gpu_pools"
+        )
+    return out
+
+
+def _no_common_instance(problem: Problem) -> str:
+    """phi = 0 with nothing saturated: the jobs cannot all get one instance at once."""
+    jobs = sorted(j for j, d in problem.demand.items() if d > 0)
+    options = "; ".join(
+        f"{m} {ph}: "
+        + ", ".join(sorted({n for c in problem.columns if c.job == (m, ph) for n, _ in c.usage}))
+        for m, ph in jobs
+    )
+    return (
+        f"the available nodes cannot give all {len(jobs)} (model, phase) pairs one instance "
+        f"each at the same time (the served fraction is uniform, so one unserved pair means "
+        f"0%). Node configs each can use: {options}. Raise their availability"
+    )
