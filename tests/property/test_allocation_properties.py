@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import itertools
+from dataclasses import replace
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from solver.allocation.problem import Column, Problem
@@ -180,3 +181,14 @@ def test_allocation_matches_brute_force(problem):
     sol = solve_allocation(problem)
     assert sol.fraction == pytest.approx(frac, abs=1e-4)
     assert sol.report.objective == pytest.approx(cost, rel=1e-6, abs=1e-6)
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tiny_problems())
+def test_served_fraction_is_the_brute_force_maximum_whatever_the_cost_gap(problem):
+    """phi is solved to optimality: a loose cost gap (here 50%) must not stop it short."""
+    assume(problem.columns)
+    loose = replace(problem, settings=problem.settings.model_copy(update={"relative_gap": 0.5}))
+    frac, _ = _brute_force(loose)
+    assume(frac < 1)  # scarce: the most-served solve runs
+    assert solve_allocation(loose).fraction == pytest.approx(frac, abs=1e-4)
