@@ -33,7 +33,7 @@ from solver.allocation.constraints import (
 from solver.allocation.explain import MostServed, binding
 from solver.allocation.objective import hourly_cost, startup_penalty
 from solver.allocation.problem import Problem, Solution
-from solver.errors import AllocationError, CoralError
+from solver.errors import AllocationError
 from solver.plan.schema import SolverReport
 from solver.types import Job
 
@@ -130,14 +130,20 @@ class _Model:
 
 
 def _check(status: int, what: str, problem: Problem) -> None:
-    """Raise a clear error unless the solve produced a plan."""
+    """Return if the solve produced a plan.
+
+    Raises:
+        AllocationError: it did not (infeasible, out of time without a solution, abnormal),
+            with the status.
+    """
     if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return
-    limit = problem.settings.time_limit_s
-    raise CoralError(
-        f"allocation: {what} ended {STATUS.get(status, status)} within {limit:g} s "
-        f"({len(problem.columns)} template-region columns); raise "
-        f"coral:fleet.allocation.time_limit_s or use fewer node configs"
+    words = STATUS.get(status, str(status))
+    raise AllocationError(
+        f"{what} ended {words} within {problem.settings.time_limit_s:g} s "
+        f"({len(problem.columns)} template-region columns)",
+        words,
+        "raise coral:fleet.allocation.time_limit_s or use fewer node configs",
     )
 
 
@@ -182,7 +188,7 @@ def solve_allocation(problem: Problem) -> Solution:
     a plan with a reported gap.
 
     Raises:
-        CoralError: a solve ended without a plan.
+        AllocationError: the backend is missing, or a solve ended without a plan.
     """
     start_plan, seconds = _homogeneous_plan(problem)
     fraction, lines = 1.0, list[str]()
@@ -244,7 +250,8 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
         return None
     settings = problem.settings.model_copy(update={"budget_usd_per_hour": None})
     unbounded = _Model(replace(problem, settings=settings), True, 0.0)
-    unbounded.solve(relative_gap=0.0)  # compared with the optimal phi
+    status, _ = unbounded.solve(relative_gap=0.0)  # compared with the optimal phi
+    _check(status, "the most-served solve without the budget", problem)
     assert unbounded.phi is not None
     return int(round(unbounded.phi.solution_value()))
 

@@ -13,7 +13,7 @@ from solver.allocation.problem import Column, Problem, Solution, make_columns
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market, build_market
 from solver.catalog.offers import Catalog
-from solver.errors import InputError
+from solver.errors import InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, template_ref
@@ -56,17 +56,21 @@ def libraries_for(
     """Load each job's library from `directory`; build missing ones, and stale ones when asked.
 
     Raises:
-        InputError: a library is missing and `build_missing` is False, or stale and
-            `rebuild_stale` is False (the error names the changed inputs).
+        InputError: a library is missing and `build_missing` is False.
+        StaleLibraryError: a library is stale and `rebuild_stale` is False (it names the
+            changed inputs).
     """
     libs: dict[Job, Library] = {}
     todo: list[Job] = []
     for job in jobs:
         try:
             libs[job] = load_library(directory, perf, fleet, *job)
-        except InputError as e:
-            stale = "stale library" in e.problem
-            if (stale and not rebuild_stale) or (not stale and not build_missing):
+        except StaleLibraryError:
+            if not rebuild_stale:
+                raise
+            todo.append(job)
+        except InputError:  # missing
+            if not build_missing:
                 raise
             todo.append(job)
     if todo:

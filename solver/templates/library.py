@@ -15,7 +15,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from solver.errors import InputError
+from solver.errors import InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.analytical import PERF_MODEL_VERSION
 from solver.performance.perf_model import PerfModel
@@ -205,7 +205,8 @@ def load_library(
     """Load one library file and check its input hashes against the current inputs.
 
     Raises:
-        InputError: the file is missing, or an input changed since it was built (named).
+        InputError: the file is missing.
+        StaleLibraryError: an input changed since it was built (named).
     """
     path = directory / library_filename(
         model, phase, _slo_of(fleet, model, phase), fleet.library.mode
@@ -220,7 +221,7 @@ def load_library(
     current = input_hashes(perf, fleet, model, phase)
     changed = sorted(k for k in current if lib.input_hashes.get(k) != current[k])
     if changed:
-        raise InputError(
+        raise StaleLibraryError(
             str(path),
             f"stale library: input(s) changed since it was built: {', '.join(changed)}",
             "rebuild it with `coral templates build --stack STACK --out DIR` (`coral plan` "

@@ -347,3 +347,123 @@ def test_the_most_served_solve_runs_with_gap_zero_and_the_cost_solve_with_the_st
     assert phi_full and all(g == 0.0 for g in phi_full)  # most-served (and budget-lifted) solves
     cost_full = [g for kind, n, g in gaps if kind == "cost" and n == full]
     assert cost_full == [None]  # None: the stack's 0.2
+
+
+# ---------------------------------------------------------------- typed errors
+
+
+def small_stack_with_library(tmp_path: Path, monkeypatch) -> Path:
+    """A stacks folder holding SMALL_FLEET as stack `small`, its libraries saved beside it;
+    the working directory is set there. Returns the library folder."""
+    import yaml
+
+    from solver.templates.library import save_library
+
+    (tmp_path / "stacks").mkdir()
+    doc = {"config": {"coral:fleet": SMALL_FLEET}}
+    (tmp_path / "stacks" / "Pulumi.small.yaml").write_text(yaml.safe_dump(doc))
+    for lib in libraries().values():
+        save_library(lib, tmp_path / "lib")
+    monkeypatch.chdir(tmp_path)
+    return tmp_path / "lib"
+
+
+def _no_backend(monkeypatch):
+    from ortools.linear_solver import pywraplp
+
+    monkeypatch.setattr(pywraplp.Solver, "CreateSolver", staticmethod(lambda backend: None))
+
+
+def _every_solve_fails(monkeypatch):
+    from ortools.linear_solver import pywraplp
+
+    from solver.allocation import solve
+
+    monkeypatch.setattr(
+        solve._Model, "solve", lambda self, relative_gap=None: (pywraplp.Solver.INFEASIBLE, 0.0)
+    )
+
+
+def _cost_solve_times_out(monkeypatch):
+    from ortools.linear_solver import pywraplp
+
+    from solver.allocation import solve
+
+    real = solve._Model.solve
+
+    def solve_(self, relative_gap=None):
+        if self.phi is None and all(len(c.usage) == 1 for c in self.problem.columns):
+            return real(self, relative_gap)  # the single-config start still solves
+        return pywraplp.Solver.NOT_SOLVED, 30.0
+
+    monkeypatch.setattr(solve._Model, "solve", solve_)
+
+
+@pytest.mark.parametrize(
+    ("breaks", "message"),
+    [
+        (_no_backend, "OR-Tools has no scip backend in this build"),
+        (_every_solve_fails, "the most-served solve ended infeasible"),
+        (_cost_solve_times_out, "the cost solve ended not solved within 30 s"),
+    ],
+)
+def test_a_failed_allocation_exits_1_with_a_message_not_a_traceback(
+    tmp_path, monkeypatch, breaks, message
+):
+    lib = small_stack_with_library(tmp_path, monkeypatch)
+    breaks(monkeypatch)
+    r = runner.invoke(app, ["plan", "--stack", "small", "--library", str(lib)])
+    assert r.exit_code == 1, r.output
+    assert isinstance(r.exception, SystemExit)  # typer.Exit(1), not an escaped error
+    text = " ".join(r.output.split())
+    assert "Error: allocation:" in text and message in text and "To fix:" in text
+    assert "Traceback" not in r.output
+
+
+def test_solve_errors_carry_the_status(monkeypatch):
+    from solver.errors import AllocationError
+
+    _every_solve_fails(monkeypatch)
+    with pytest.raises(AllocationError, match="most-served solve ended infeasible") as exc:
+        plan_for(with_rps(3, 4))
+    assert exc.value.status == "infeasible"
+    _no_backend(monkeypatch)
+    with pytest.raises(AllocationError, match="no scip backend") as exc:
+        plan_for(with_rps(3, 4))
+    assert exc.value.status == "unavailable"
+
+
+def test_a_stale_library_raises_its_own_type_naming_what_changed(tmp_path):
+    from solver.errors import StaleLibraryError
+    from solver.templates.library import load_library, save_library
+
+    for lib in libraries().values():
+        save_library(lib, tmp_path)
+    assert load_library(tmp_path, perf(), fleet(), "phi-4", "decode").templates
+    fewer = fleet(node_configs=["l4x1", "l40sx1", "a10gx1"])
+    with pytest.raises(StaleLibraryError, match="stale library.*node_configs"):
+        load_library(tmp_path, perf(), fewer, "phi-4", "decode")
+    with pytest.raises(InputError, match="no serving-template library") as missing:
+        load_library(tmp_path / "empty", perf(), fleet(), "phi-4", "decode")
+    assert not isinstance(missing.value, StaleLibraryError)
+
+
+def test_the_planner_tells_stale_from_missing_by_type_not_by_wording(monkeypatch, tmp_path):
+    """A stale library is rebuilt (rebuild_stale) even where a missing one is not
+    (build_missing=False), whatever its message says."""
+    from solver.errors import StaleLibraryError
+    from solver.plan import planner
+
+    def stale(directory, perf_, fleet_, model, phase):
+        raise StaleLibraryError(str(directory), "inputs changed: node_configs", "rebuild")
+
+    built = []
+    monkeypatch.setattr(planner, "load_library", stale)
+    monkeypatch.setattr(
+        planner, "build_libraries", lambda perf_, fleet_, todo, *a: built.extend(todo) or []
+    )
+    job = ("phi-4", "decode")
+    planner.libraries_for(perf(), fleet(), [job], tmp_path, build_missing=False)
+    assert built == [job]
+    with pytest.raises(StaleLibraryError):
+        planner.libraries_for(perf(), fleet(), [job], tmp_path, rebuild_stale=False)
