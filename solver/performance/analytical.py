@@ -29,7 +29,8 @@ from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import GpuType, NodeConfig
 from solver.types import Phase
 
-PERF_MODEL_VERSION = "2"  # 2: decode pipelines hold KV for every micro-batch in flight
+PERF_MODEL_VERSION = "3"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
+# last stage of a pipeline pays no hop, and an aggregated replica runs one TP for both phases
 
 
 class Efficiency(BaseModel):

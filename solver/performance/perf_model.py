@@ -1,9 +1,9 @@
 """The performance model behind every plan: layer times and the profile table T̂_j(c).
 
-`PerfModel` combines the analytical model (`solver/perf.py`) with fitted efficiencies and any
-measured tables (which win for their (model, node config, phase)). `profile_table` computes, for a
-(model, phase, per-stage latency budget), the most tokens/s each node config delivers holding j
-layers while the stage meets the budget and the KV cache fits.
+`PerfModel` combines the analytical model (`solver/performance/analytical.py`) with fitted
+efficiencies and any measured tables (which win for their (model, node config, phase)).
+`profile_table` computes, for a (model, phase, per-stage latency budget), the most tokens/s each
+node config delivers holding j layers while the stage meets the budget and the KV cache fits.
 """
 
 from __future__ import annotations
@@ -150,7 +150,8 @@ class PerfModel:
 
         Args:
             context: decode context tokens, or prefill prompt length per request.
-            hop: charge the stage for sending its activations to the next node.
+            hop: charge the stage for sending its activations to the next stage (False for a
+                single stage and for the last stage of a pipeline, which sends nothing on).
             tp: use only this TP degree (vLLM's one-TP-size rule); default: the best valid one.
             in_flight: decode micro-batches a stage holds KV for at once: a pipeline of S
                 stages keeps S in flight, so each may use only 1/S of the stage's KV cache.
@@ -251,7 +252,9 @@ class PerfModel:
         """One pipeline stage: `layers` layers at TP `tp` on `node`, plus its outgoing hop.
 
         `size` is the decode batch or prefill token count; `context` the decode context or the
-        prompt length. The profile table and the simulator both time stages with this.
+        prompt length; `hop` whether the stage sends its activations to a next stage (every
+        stage of a pipeline but the last). The profile table and the simulator both time stages
+        with this.
         """
         card, cfg = self.card(model), self.catalog.node(node)
         layer = self._layer_ms(card, model, cfg, tp, phase, size, context)

@@ -60,7 +60,11 @@ def enumerate_multisets(
 
 @dataclass
 class RowSource:
-    """T̂ rows (arrays over j = 1..L) of one (model, phase), cached per (node, S, tp)."""
+    """T̂ rows (arrays over j = 1..L) of one (model, phase), cached per (node, S, tp, last).
+
+    `last` rows are for the last stage of a pipeline of S > 1 stages, which sends nothing on (no
+    hop); every other stage of such a pipeline pays its hop to the next stage.
+    """
 
     perf: PerfModel
     model: str
@@ -69,47 +73,62 @@ class RowSource:
     node_names: list[str] | None = None  # node configs to tabulate; default: the catalog's
 
     def __post_init__(self) -> None:
-        self._cache: dict[tuple[str, int, int | None], np.ndarray] = {}
-        self._tps: dict[tuple[str, int], np.ndarray] = {}
+        # (node, S, tp, last) -> (T̂ over j, the TP degree each entry uses)
+        self._cache: dict[tuple[str, int, int | None, bool], tuple[np.ndarray, np.ndarray]] = {}
         self._chains: dict[tuple[str, ...], Placement | None] = {}
         self.layers = self.perf.card(self.model).layers
-        self._matrix: dict[int, np.ndarray] = {}  # S -> rows of every node config
+        self._matrix: dict[tuple[int, bool], np.ndarray] = {}  # (S, last) -> every node's row
         self._names = sorted(self.node_names or self.perf.catalog.node_configs)
         self._index = {n: i for i, n in enumerate(self._names)}
 
-    def chosen_tp(self, node: str, stages: int, layers: int) -> int:
-        """TP degree the node's T̂ entry at `layers` uses (prefill's, for aggregated)."""
-        self.row(node, stages)
-        return int(self._tps[(node, stages)][layers - 1])
+    def chosen_tp(self, node: str, stages: int, layers: int, last: bool = False) -> int:
+        """TP degree the node's best-TP T̂ entry at `layers` uses (one TP for both phases)."""
+        return int(self._entry(node, stages, None, last)[1][layers - 1])
 
     def chain_over_gpus(self, gpus: tuple[str, ...]) -> Placement | None:
         """vLLM chain with one TP=1 process per GPU (GPU types in pipeline order), cached:
         many multisets share one GPU sequence (l40sx2 + l40sx1 runs like l40sx1 * 3)."""
         if gpus not in self._chains:
-            table = np.stack([self.row(f"{g}x1", len(gpus), 1) for g in gpus])
+            s = len(gpus)
+            table = np.stack(
+                [self.row(f"{g}x1", s, 1, last=i == s - 1) for i, g in enumerate(gpus)]
+            )
             self._chains[gpus] = place_chain(table, self.layers)
         return self._chains[gpus]
 
-    def rows_for(self, nodes: tuple[str, ...], stages: int) -> np.ndarray:
+    def rows_for(self, nodes: tuple[str, ...], stages: int, last: bool = False) -> np.ndarray:
         """(len(nodes), L) table of the nodes' T̂ rows at `stages` stages, best TP each."""
         for n in nodes:
             if n not in self._index:  # a node outside `node_names`: tabulate it too
                 self._index[n] = len(self._names)
                 self._names.append(n)
                 self._matrix.clear()
-        if stages not in self._matrix:
-            self._matrix[stages] = np.stack([self.row(n, stages) for n in self._names])
-        return self._matrix[stages][[self._index[n] for n in nodes]]
+        if (stages, last) not in self._matrix:
+            self._matrix[(stages, last)] = np.stack(
+                [self.row(n, stages, last=last) for n in self._names]
+            )
+        return self._matrix[(stages, last)][[self._index[n] for n in nodes]]
 
-    def row(self, node: str, stages: int, tp: int | None = None) -> np.ndarray:
-        key = (node, stages, tp)
+    def row(self, node: str, stages: int, tp: int | None = None, last: bool = False) -> np.ndarray:
+        """T̂ of `node` holding j = 1..L layers as one of `stages` stages (the last if `last`),
+        at TP `tp` (default: the best valid TP per j)."""
+        return self._entry(node, stages, tp, last)[0]
+
+    def _entry(
+        self, node: str, stages: int, tp: int | None, last: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        key = (node, stages, tp, last)
         if key not in self._cache:
-            self._cache[key] = self._compute(node, stages, tp)
+            hop = stages > 1 and not last
+            if self.phase != "aggregated":
+                self._cache[key] = self._phase_row(self.phase, node, stages, tp, hop)
+            else:
+                self._cache[key] = self._aggregated_row(node, stages, tp, hop)
         return self._cache[key]
 
     def _phase_row(
-        self, phase: Literal["prefill", "decode"], node: str, s: int, tp: int | None
-    ) -> np.ndarray:
+        self, phase: Literal["prefill", "decode"], node: str, s: int, tp: int | None, hop: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
         budget = getattr(self.spec.slo_ms, phase) / s
         ctx = (
             self.spec.mean_prompt_tokens if phase == "prefill" else self.spec.decode_context_tokens
@@ -119,21 +138,31 @@ class RowSource:
         # A decode pipeline of s stages keeps s micro-batches in flight, each holding its KV.
         in_flight = s if phase == "decode" else 1
         for e in self.perf.profile_table(
-            self.model, phase, budget, [node], ctx, hop=s > 1, tp=tp, in_flight=in_flight
+            self.model, phase, budget, [node], ctx, hop=hop, tp=tp, in_flight=in_flight
         ):
             out[e.layers - 1] = e.tokens_per_s
             tps[e.layers - 1] = e.tp
-        if tp is None and (node, s) not in self._tps:
-            self._tps[(node, s)] = tps
-        return out
+        return out, tps
 
-    def _compute(self, node: str, s: int, tp: int | None) -> np.ndarray:
-        if self.phase != "aggregated":
-            return self._phase_row(self.phase, node, s, tp)
-        pre, dec = self._phase_row("prefill", node, s, tp), self._phase_row("decode", node, s, tp)
+    def _aggregated_row(
+        self, node: str, s: int, tp: int | None, hop: bool
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Requests/s 1 / (P / T̂pre_j(tp) + O / T̂dec_j(tp)) with both phases at one TP degree.
+
+        A replica runs one TP, so with `tp` None each j takes the TP that maximises the combined
+        rate with both budgets met at that TP (the smaller TP on ties), not each phase's own best.
+        """
+        card, g = self.perf.card(self.model), self.perf.catalog.node(node).gpu_count
         p, o = self.spec.mean_prompt_tokens, self.spec.mean_output_tokens
-        with np.errstate(divide="ignore"):
-            return np.where((pre > 0) & (dec > 0), 1.0 / (p / pre + o / dec), 0.0)
+        best, best_tp = np.zeros(self.layers), np.full(self.layers, tp or g)
+        for t in [tp] if tp is not None else valid_tp_degrees(card, g):
+            pre = self._phase_row("prefill", node, s, t, hop)[0]
+            dec = self._phase_row("decode", node, s, t, hop)[0]
+            with np.errstate(divide="ignore"):
+                rate = np.where((pre > 0) & (dec > 0), 1.0 / (p / pre + o / dec), 0.0)
+            better = rate > best
+            best, best_tp = np.where(better, rate, best), np.where(better, t, best_tp)
+        return best, best_tp
 
 
 @dataclass(frozen=True)
@@ -172,14 +201,17 @@ def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candi
 
 def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     labels = tuple(sorted(set(nodes)).index(n) for n in nodes)
-    tables = {s: rows.rows_for(nodes, s) for s in range(1, len(nodes) + 1)}
-    placement = place_fast(tables, rows.layers, labels)
+    stage_counts = range(1, len(nodes) + 1)
+    tables = {s: rows.rows_for(nodes, s) for s in stage_counts}
+    last = {s: rows.rows_for(nodes, s, last=True) for s in stage_counts}
+    placement = place_fast(tables, rows.layers, labels, last=last)
     if placement is None:
         return None
     # Every node serves its stage whole, at the TP degree its profile entry chose.
+    s_count = len(placement.stages)
     tps = {
-        k: rows.chosen_tp(nodes[k], len(placement.stages), j)
-        for members, j in zip(placement.stages, placement.layers, strict=True)
+        k: rows.chosen_tp(nodes[k], s_count, j, last=i == s_count - 1)
+        for i, (members, j) in enumerate(zip(placement.stages, placement.layers, strict=True))
         for k in members
     }
     procs = tuple(
@@ -189,16 +221,22 @@ def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
 
 
 def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
-    """One stage per node, all at the largest TP degree the (uniform) node size allows."""
+    """One stage per node, all at the largest TP degree the (uniform) node size allows.
+
+    Pipeline order: by node config, except that the config whose node ends the chain best (the
+    last stage sends no hop) goes last; the sorted order wins ties.
+    """
     card = rows.perf.card(rows.model)
-    g = rows.perf.catalog.node(nodes[0]).gpu_count
-    tp = max(valid_tp_degrees(card, g))
-    table = np.stack([rows.row(n, len(nodes), tp) for n in nodes])
-    placement = place_chain(table, rows.layers)
-    if placement is None:
-        return None
-    procs = tuple((k, tuple(range(tp)), tp) for k in range(len(nodes)))
-    return Candidate(nodes, "vllm", placement, procs)
+    tp = max(valid_tp_degrees(card, rows.perf.catalog.node(nodes[0]).gpu_count))
+    s, best = len(nodes), None
+    for end in sorted(set(nodes), reverse=True):  # the sorted order first
+        order = sorted(range(s), key=lambda k: (nodes[k] == end, nodes[k], k))
+        table = np.stack([rows.row(nodes[k], s, tp, last=i == s - 1) for i, k in enumerate(order)])
+        placement = place_chain(table, rows.layers)
+        if placement is not None and (best is None or placement.throughput > best.throughput):
+            procs = tuple((k, tuple(range(tp)), tp) for k in order)
+            best = Candidate(nodes, "vllm", placement, procs)
+    return best
 
 
 def _vllm_per_gpu(
@@ -206,23 +244,25 @@ def _vllm_per_gpu(
 ) -> Candidate | None:
     """One vLLM process per GPU (TP=1), each its own pipeline stage.
 
-    Pipeline order: by GPU type, then node, then GPU. A node's GPUs stay adjacent, and every
-    multiset with the same GPUs shares one cached chain (the model does not price the order).
+    Pipeline order: by GPU type, then node, then GPU, except that the GPU type whose process
+    ends the chain best (the last stage sends no hop) goes last; the sorted order wins ties. A
+    node's GPUs stay adjacent, and every multiset with the same GPUs shares the cached chains.
     """
     cfgs = [rows.perf.catalog.node(n) for n in nodes]
-    procs = tuple(
-        sorted(
-            ((k, (g,), 1) for k, c in enumerate(cfgs) for g in range(c.gpu_count)),
-            key=lambda p: (cfgs[p[0]].gpu_id, p[0], p[1]),
+    if decode_pp1 and rows.phase == "decode" and sum(c.gpu_count for c in cfgs) > 1:
+        return None
+    best = None
+    for end in sorted({c.gpu_id for c in cfgs}, reverse=True):  # the sorted order first
+        procs = tuple(
+            sorted(
+                ((k, (g,), 1) for k, c in enumerate(cfgs) for g in range(c.gpu_count)),
+                key=lambda p: (cfgs[p[0]].gpu_id == end, cfgs[p[0]].gpu_id, p[0], p[1]),
+            )
         )
-    )
-    if decode_pp1 and rows.phase == "decode" and len(procs) > 1:
-        return None
-    gpus = tuple(cfgs[k].gpu_id for k, _, _ in procs)
-    placement = rows.chain_over_gpus(gpus)
-    if placement is None:
-        return None
-    return Candidate(nodes, "vllm" if decode_pp1 else "general", placement, procs)
+        placement = rows.chain_over_gpus(tuple(cfgs[k].gpu_id for k, _, _ in procs))
+        if placement is not None and (best is None or placement.throughput > best.throughput):
+            best = Candidate(nodes, "vllm" if decode_pp1 else "general", placement, procs)
+    return best
 
 
 def to_template(rows: RowSource, cand: Candidate) -> ServingTemplate:

@@ -4,9 +4,10 @@ batch caps that keep both phases within their SLOs (vLLM's `--max-num-seqs` and
 Pulumi program's engine settings, so they can never disagree.
 
 A stage's time comes from the same function the library uses (`PerfModel.stage_time_ms`: its
-layers at its TP on its node, plus its outgoing hop). A data-parallel stage (general mode) splits
-each micro-batch across its members in proportion to their speed; its KV capacity is the sum of
-its members'.
+layers at its TP on its node, plus its hop to the next stage; the last stage sends none, and a
+disaggregated prefill's KV transfer is timed by the simulator). A data-parallel stage (general
+mode) splits each micro-batch across its members in proportion to their speed; its KV capacity
+is the sum of its members'.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ class Member:
 class Stage:
     members: tuple[Member, ...]  # more than one: data parallel, each with a share of the batch
     layers: int
-    hop: bool
+    hop: bool  # sends its activations to a next stage (every stage but the last)
 
 
 class InstanceModel:
@@ -56,7 +57,7 @@ class InstanceModel:
                 cfg = perf.catalog.node(template.nodes[m.node])
                 node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
                 members.append(Member(node, m.tp))
-            self.stages.append(Stage(tuple(members), st.layers, hop=i < s_count - 1 or s_count > 1))
+            self.stages.append(Stage(tuple(members), st.layers, hop=i < s_count - 1))
         self.ctx, self.prompt = spec_ctx, prompt
         # A data-parallel stage's share per member: proportional to the member's speed at a
         # typical batch (decode: 32 sequences; prefill: one mean prompt).

@@ -76,26 +76,71 @@ def _monotone(table: np.ndarray) -> np.ndarray:
 
 
 def place_fast(
-    tables: Tables, n_layers: int, labels: tuple[int, ...], stage_counts: list[int] | None = None
+    tables: Tables,
+    n_layers: int,
+    labels: tuple[int, ...],
+    stage_counts: list[int] | None = None,
+    last: Tables | None = None,
 ) -> Placement | None:
-    """Best placement over the given stage counts (default 1..n); None if nothing fits."""
+    """Best placement over the given stage counts (default 1..n); None if nothing fits.
+
+    Args:
+        tables: S -> T̂ of every node as a stage of an S-stage pipeline.
+        n_layers: layers to place (L).
+        labels: a label per node; equal labels mark identical nodes.
+        stage_counts: the S values to try (default 1..n).
+        last: S -> T̂ of every node as the pipeline's last stage, which sends no hop (default:
+            `tables`, so the order of the stages does not matter). Each partition then tries
+            each of its groups as the last stage; the returned stages end with that group.
+
+    Returns:
+        The placement of highest throughput, or None when no placement has T > 0.
+    """
     n = len(labels)
     parts = set_partitions(labels)
-    best: tuple[float, np.ndarray, np.ndarray] | None = None  # (T, group table, block masks)
+    best: tuple[float, np.ndarray, tuple[tuple[int, ...], ...]] | None = None
     for s in stage_counts or list(range(1, n + 1)):
         if s not in parts or s not in tables or s > n_layers:
             continue
-        g = _mask_matrix(n) @ _monotone(tables[s])  # (2^n, L) summed T̂ of every node group
-        masks = parts[s]  # (P, s)
-        stacked = g[masks]  # (P, s, L)
-        flat = stacked.reshape(len(masks), -1)
-        lth = -np.partition(-flat, n_layers - 1, axis=1)[:, n_layers - 1]
-        value = np.minimum(lth, stacked[:, :, 0].min(axis=1))
+        found = _best_partition(tables[s], None if last is None else last[s], parts[s], n_layers)
+        if found[0] > 0 and (best is None or found[0] > best[0] * (1 + 1e-12)):
+            best = found
+    if best is None:
+        return None
+    t, stage_tables, stages = best
+    js = trim_surplus(layers_at(stage_tables, t), n_layers)
+    achieved = min(float(stage_tables[i, js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, stages, tuple(js))
+
+
+def _best_partition(
+    table: np.ndarray, last: np.ndarray | None, masks: np.ndarray, n_layers: int
+) -> tuple[float, np.ndarray, tuple[tuple[int, ...], ...]]:
+    """Best partition among `masks` (P, S) and its last group: (T, stage tables, stages).
+
+    Stages come in pipeline order: the groups by their lowest node, the last group moved to
+    the end. Later groups are tried as the last first, so ties keep the sorted order; without
+    a `last` table the order does not matter and only the sorted one is tried.
+    """
+    mm = _mask_matrix(table.shape[0])
+    g = mm @ _monotone(table)  # (2^n, L) summed T̂ of every node group
+    g_last = g if last is None else mm @ _monotone(last)
+    stacked, stacked_last = g[masks], g_last[masks]  # (P, S, L)
+    s = masks.shape[1]
+    best: tuple[float, int, int] = (-1.0, 0, s - 1)  # (T, partition, last group)
+    for b in range(s - 1, -1 if last is not None else s - 2, -1):
+        cand = stacked.copy()
+        cand[:, b] = stacked_last[:, b]
+        lth = -np.partition(-cand.reshape(len(masks), -1), n_layers - 1, axis=1)[:, n_layers - 1]
+        value = np.minimum(lth, cand[:, :, 0].min(axis=1))
         i = int(np.argmax(value))
-        t = float(value[i])
-        if t > 0 and (best is None or t > best[0] * (1 + 1e-12)):
-            best = (t, g, masks[i])
-    return None if best is None else _recover(best[1], best[2], best[0], n_layers)
+        if value[i] > best[0] * (1 + 1e-12) or best[0] < 0:
+            best = (float(value[i]), i, b)
+    t, i, b = best
+    order = [k for k in range(s) if k != b] + [b]
+    stage_tables = np.stack([g[masks[i, k]] for k in order[:-1]] + [g_last[masks[i, b]]])
+    stages = tuple(tuple(k for k in range(64) if (int(masks[i, m]) >> k) & 1) for m in order)
+    return t, stage_tables, stages
 
 
 def layers_at(table: np.ndarray, t: float) -> list[int]:
@@ -124,15 +169,6 @@ def trim_surplus(js: list[int], n_layers: int) -> list[int]:
     extra = int(capped.sum()) - n_layers
     capped[np.flatnonzero(capped == lo)[:extra]] -= 1
     return [int(v) for v in capped]
-
-
-def _recover(g: np.ndarray, masks: np.ndarray, t: float, n_layers: int) -> Placement:
-    """Layer counts reaching throughput t: each stage's J, surplus removed from the largest."""
-    js = trim_surplus(layers_at(g[masks], t), n_layers)
-    stages = tuple(tuple(k for k in range(64) if (int(m) >> k) & 1) for m in masks)
-    order = sorted(range(len(stages)), key=lambda i: stages[i])
-    achieved = min(float(g[masks[i], js[i] - 1]) for i in range(len(js)))
-    return Placement(achieved, tuple(stages[i] for i in order), tuple(js[i] for i in order))
 
 
 def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:

@@ -6,9 +6,10 @@ from functools import cache
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
+from solver.performance.analytical import valid_tp_degrees
 from solver.performance.default_model import load_perf_model
 from solver.stack import load_stack
 from solver.templates.enumeration import (
@@ -63,8 +64,7 @@ def test_every_template_is_complete_and_runnable(model, nodes, mode, phase):
     """Each layer served once, each node used, one TP size in vLLM mode, budgets per stage."""
     perf, rows = PERF, rows_of(model, phase)
     cand = best_candidate(rows, nodes, mode)
-    if cand is None:
-        return
+    assume(cand is not None)
     t = to_template(rows, cand)
     assert sum(s.layers for s in t.stages) == perf.card(model).layers
     used = sorted({m.node for s in t.stages for m in s.members})
@@ -85,8 +85,7 @@ def test_aggregated_rate_is_bounded_by_each_phase_alone(model, nodes):
     """A replica serving both phases cannot beat either phase's own optimum per request."""
     spec = CORE.models[model]
     agg = best_candidate(rows_of(model, "aggregated"), nodes, "general")
-    if agg is None:
-        return
+    assume(agg is not None)
     pre = best_candidate(rows_of(model, "prefill"), nodes, "general")
     dec = best_candidate(rows_of(model, "decode"), nodes, "general")
     assert pre is not None and dec is not None  # aggregated fits only where both phases do
@@ -106,3 +105,46 @@ def test_aggregated_single_node_worked_example(perf):
     t = to_template(rows["aggregated"], best_candidate(rows["aggregated"], (node,), "vllm"))
     assert t.unit == "requests/s" and t.throughput == pytest.approx(expected, rel=1e-6)
     assert t.stage_budget_ms == [spec.slo_ms.prefill, spec.slo_ms.decode]
+
+
+def test_aggregated_rows_run_both_phases_at_one_tp(perf):
+    """A replica runs one TP: each aggregated T̂ entry is 1 / (P / T̂pre_j(tp) + O / T̂dec_j(tp))
+    at the TP it records, the best such TP. gpt-oss-120b on h100x2 is a node where prefill's and
+    decode's own best TPs differ (at S = 2, j = 36: prefill's is 2, decode's 1, and decode
+    misses its budget at TP 2), so combining each phase's best would overstate the rate."""
+    model, node = "gpt-oss-120b", "h100x2"
+    spec = load_stack(STACKS, "paper-extended").models[model]
+    rows = {ph: RowSource(perf, model, ph, spec, [node]) for ph in ("prefill", "decode")}
+    agg = RowSource(perf, model, "aggregated", spec, [node])
+    p, o = spec.mean_prompt_tokens, spec.mean_output_tokens
+
+    def rate(s: int, j: int, tp: int, last: bool) -> float:
+        pre = rows["prefill"].row(node, s, tp, last)[j - 1]
+        dec = rows["decode"].row(node, s, tp, last)[j - 1]
+        return 1 / (p / pre + o / dec) if pre > 0 and dec > 0 else 0.0
+
+    tps = valid_tp_degrees(perf.card(model), 2)
+    split = 0  # entries whose phases would each pick a different TP
+    for s, last in [(1, False), (2, False), (2, True), (3, False)]:
+        for j in range(1, perf.card(model).layers + 1):
+            tp = agg.chosen_tp(node, s, j, last)
+            value = agg.row(node, s, last=last)[j - 1]
+            assert value == pytest.approx(rate(s, j, tp, last), rel=1e-12)
+            assert value == pytest.approx(max(rate(s, j, t, last) for t in tps), rel=1e-12)
+            own = {rows[ph].chosen_tp(node, s, j, last) for ph in rows}
+            split += (
+                len(own) > 1 and min(rows[ph].row(node, s, last=last)[j - 1] for ph in rows) > 0
+            )
+    assert split >= 1  # the case this test is about is present in the performance model
+
+
+def test_a_chains_last_stage_is_timed_without_a_hop():
+    """qwen3-32b prefill on three l40sx1 (vLLM chain 21, 21, 22 layers): the last stage sends
+    nothing on, so it holds 22 layers at more than a stage that pays the hop could."""
+    rows = rows_of("qwen3-32b", "prefill")
+    t = to_template(rows, best_candidate(rows, ("l40sx1",) * 3, "vllm"))
+    j = t.stages[-1].layers
+    with_hop = rows.row("l40sx1", 3, 1)[j - 1]
+    without = rows.row("l40sx1", 3, 1, last=True)[j - 1]
+    assert [s.layers for s in t.stages] == [21, 21, 22]
+    assert with_hop < t.throughput <= without

@@ -6,6 +6,8 @@ import pytest
 
 from solver.errors import InputError
 from solver.performance.analytical import experts_touched, valid_tp_degrees
+from solver.templates.instance_model import InstanceModel
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 
 
 def test_llama2_70b_does_not_fit_on_one_t4(perf):
@@ -79,3 +81,42 @@ def test_helix_files_load_as_measured_tables_exactly(tmp_path, helix_files):
     pm = load_perf_model(tmp_path)
     for x, ms in src.points:
         assert pm.layer_time("llama2-70b", "l4x1", "decode", x, 512).ms == pytest.approx(ms)
+
+
+def _chain(model: str, node: str, layers: list[int]) -> ServingTemplate:
+    """A vLLM chain of one `node` per stage at TP 1, holding `layers` layers each."""
+    return ServingTemplate(
+        key=f"{node}*{len(layers)}",
+        model=model,
+        phase="prefill",
+        mode="vllm",
+        nodes=[node] * len(layers),
+        stages=[
+            Stage(layers=j, members=[StageMember(node=k, gpus=[0], tp=1)])
+            for k, j in enumerate(layers)
+        ],
+        throughput=1.0,
+        unit="tokens/s",
+        stage_budget_ms=[1.0],
+    )
+
+
+@pytest.mark.parametrize(("phase", "size"), [("prefill", 2048), ("decode", 16)])
+def test_the_last_stage_of_a_pipeline_sends_no_hop(perf, phase, size):
+    """Stage 0 of a 2-stage qwen3-32b chain pays its hop to stage 1; stage 1 is the last and
+    sends nothing on, so its time is its layers' compute time alone."""
+    inst = InstanceModel(perf, _chain("qwen3-32b", "l40sx1", [32, 32]), 1500.0, 1000.0)
+    ctx = 1500.0 if phase == "decode" else 1000.0
+
+    def stage(hop: bool) -> float:
+        return perf.stage_time_ms("qwen3-32b", "l40sx1", 1, phase, size, ctx, 32, hop)
+
+    assert stage(True) > stage(False)  # the hop costs something here
+    assert inst.stage_ms(0, phase, size) == pytest.approx(stage(True), rel=1e-12)
+    assert inst.stage_ms(1, phase, size) == pytest.approx(stage(False), rel=1e-12)
+
+
+def test_a_single_stage_has_no_hop(perf):
+    inst = InstanceModel(perf, _chain("phi-4", "l40sx1", [40]), 1500.0, 1000.0)
+    compute = perf.stage_time_ms("phi-4", "l40sx1", 1, "prefill", 2048, 1000.0, 40, False)
+    assert inst.stage_ms(0, "prefill", 2048) == pytest.approx(compute, rel=1e-12)
