@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import math
 from dataclasses import dataclass
+from typing import cast
 
 import pulumi
 import pulumi_aws as aws
@@ -54,46 +55,23 @@ class ServingInstance(pulumi.ComponentResource):
 
     def __init__(
         self, name: str, args: ServingInstanceArgs, opts: pulumi.ResourceOptions | None = None
-    ):
+    ) -> None:
         super().__init__("coral:fleet:ServingInstance", name, None, opts)
         child = pulumi.ResourceOptions(parent=self, provider=args.region.provider)
         disk_gb = int(math.ceil(args.weights_gb * 1.1)) + args.disk_headroom_gb
         order = sorted(range(len(args.boots)), key=lambda k: not args.boots[k].is_head)
         head_ip: pulumi.Output[str] | None = None
-        nodes: dict[int, pulumi.CustomResource] = {}
         for k in order:  # head first: the others need its private IP
             boot, offer = args.boots[k], args.offers[k]
-            if boot.is_head and args.router_prefill_ips:
-                user_data = pulumi.Output.all(*args.router_prefill_ips).apply(
-                    lambda ips, b=boot: render_user_data(
-                        b.model_copy(update={"router": _router(ips)}), ""
-                    )
-                )
-            elif boot.is_head:
-                user_data = pulumi.Output.from_input(render_user_data(boot, ""))
-            else:
-                assert head_ip is not None
-                user_data = head_ip.apply(lambda ip, b=boot: render_user_data(b, ip))
-            tags = {
-                "coral:stack": args.stack,
-                "coral:model": args.model,
-                "coral:phase": args.phase,
-                "coral:template": args.template,
-                "coral:replica": args.replica_key,
-                "coral:node": str(boot.node_index),
-                "coral:stages": ",".join(str(p.rank) for p in boot.processes),
-            }
+            user_data = _user_data(boot, head_ip, args.router_prefill_ips)
+            tags = _tags(args, boot)
             node_name = f"{name}.n{boot.node_index}"
             if args.region.cloud == "aws":
-                node = self._aws_node(node_name, args, offer, user_data, tags, disk_gb, child)
+                node = _aws_node(node_name, args, offer, user_data, tags, disk_gb, child)
                 private_ip, public_ip = node.private_ip, node.public_ip
             else:
-                node = self._gcp_node(node_name, args, offer, user_data, tags, disk_gb, child)
-                private_ip = node.network_interfaces.apply(lambda nis: nis[0].network_ip)
-                public_ip = node.network_interfaces.apply(
-                    lambda nis: nis[0].access_configs[0].nat_ip if nis[0].access_configs else ""
-                )
-            nodes[k] = node
+                gcp_node = _gcp_node(node_name, args, offer, user_data, tags, disk_gb, child)
+                private_ip, public_ip = _gcp_ips(gcp_node)
             if boot.is_head:
                 head_ip = private_ip
                 self.head_private_ip = private_ip
@@ -102,61 +80,126 @@ class ServingInstance(pulumi.ComponentResource):
             {"head_private_ip": self.head_private_ip, "head_public_ip": self.head_public_ip}
         )
 
-    @staticmethod
-    def _aws_node(name, args, offer, user_data, tags, disk_gb, opts) -> aws.ec2.Instance:
-        return aws.ec2.Instance(
-            name,
-            ami=args.region.image,
-            instance_type=offer.instance_type,
-            subnet_id=args.region.subnet_id,
-            vpc_security_group_ids=[args.group],
-            iam_instance_profile=args.identity.aws_instance_profile,
-            user_data=user_data,
-            user_data_replace_on_change=True,
-            metadata_options={
-                "http_tokens": "required",
-                "http_endpoint": "enabled",
-                "http_put_response_hop_limit": 1,
-            },
-            root_block_device={"volume_size": disk_gb, "volume_type": "gp3", "encrypted": True},
-            tags=tags
-            | {"Name": f"coral-{args.stack}-{slug(args.replica_key)}-{tags['coral:node']}"},
-            opts=opts,
-        )
 
-    @staticmethod
-    def _gcp_node(name, args, offer, user_data, tags, disk_gb, opts) -> gcp.compute.Instance:
-        machine, _, accelerator = offer.instance_type.partition("+")
-        guest = []
-        if accelerator:  # N1 + attached GPUs, e.g. "n1-standard-4+1xT4"
-            count, _, gpu = accelerator.partition("x")
-            guest = [{"type": f"nvidia-tesla-{gpu.lower()}", "count": int(count)}]
-        digest = hashlib.sha256(args.replica_key.encode()).hexdigest()[:10]
-        labels = {k.replace("coral:", "coral-"): _label(v) for k, v in tags.items()}
-        return gcp.compute.Instance(
-            name,
-            name=f"coral-{args.stack}-{digest}-n{tags['coral:node']}"[:63],
-            machine_type=machine,
-            zone=args.region.zone,
-            boot_disk={
-                "initialize_params": {
-                    "image": args.region.image,
-                    "size": disk_gb,
-                    "type": "pd-balanced",
-                }
-            },
-            network_interfaces=[{"subnetwork": args.region.subnet_id, "access_configs": [{}]}],
-            scheduling={"on_host_maintenance": "TERMINATE", "automatic_restart": True},
-            guest_accelerators=guest,
-            metadata={"user-data": user_data, "install-nvidia-driver": "True"},
-            service_account={
-                "email": args.identity.gcp_service_account,
-                "scopes": ["cloud-platform"],
-            },
-            tags=[args.group],
-            labels=labels,
-            opts=opts,
+def _user_data(
+    boot: NodeBoot,
+    head_ip: pulumi.Output[str] | None,
+    router_prefill_ips: list[pulumi.Output[str]] | None,
+) -> pulumi.Output[str]:
+    """One node's cloud-init user-data: a decode head gets its router's prefill heads, a
+    non-head node its head's private IP (declared before it)."""
+    if boot.is_head and router_prefill_ips:
+        return pulumi.Output.all(*router_prefill_ips).apply(
+            lambda ips: render_user_data(boot.model_copy(update={"router": _router(ips)}), "")
         )
+    if boot.is_head:
+        return pulumi.Output.from_input(render_user_data(boot, ""))
+    assert head_ip is not None  # ServingInstance declares the head node first
+    return head_ip.apply(lambda ip: render_user_data(boot, ip))
+
+
+def _tags(args: ServingInstanceArgs, boot: NodeBoot) -> dict[str, str]:
+    """The node's `coral:*` tags (AWS tags; GCP labels after `_label`)."""
+    return {
+        "coral:stack": args.stack,
+        "coral:model": args.model,
+        "coral:phase": args.phase,
+        "coral:template": args.template,
+        "coral:replica": args.replica_key,
+        "coral:node": str(boot.node_index),
+        "coral:stages": ",".join(str(p.rank) for p in boot.processes),
+    }
+
+
+def _aws_node(
+    name: str,
+    args: ServingInstanceArgs,
+    offer: Offer,
+    user_data: pulumi.Output[str],
+    tags: dict[str, str],
+    disk_gb: int,
+    opts: pulumi.ResourceOptions,
+) -> aws.ec2.Instance:
+    """One EC2 node: IMDSv2 only, an encrypted gp3 root volume sized for the weights."""
+    return aws.ec2.Instance(
+        name,
+        ami=args.region.image,
+        instance_type=offer.instance_type,
+        subnet_id=args.region.subnet_id,
+        vpc_security_group_ids=[args.group],
+        iam_instance_profile=args.identity.aws_instance_profile,
+        user_data=user_data,
+        user_data_replace_on_change=True,
+        metadata_options={
+            "http_tokens": "required",
+            "http_endpoint": "enabled",
+            "http_put_response_hop_limit": 1,
+        },
+        root_block_device={"volume_size": disk_gb, "volume_type": "gp3", "encrypted": True},
+        tags=tags | {"Name": f"coral-{args.stack}-{slug(args.replica_key)}-{tags['coral:node']}"},
+        opts=opts,
+    )
+
+
+def _gcp_node(
+    name: str,
+    args: ServingInstanceArgs,
+    offer: Offer,
+    user_data: pulumi.Output[str],
+    tags: dict[str, str],
+    disk_gb: int,
+    opts: pulumi.ResourceOptions,
+) -> gcp.compute.Instance:
+    """One Compute Engine node; an N1 offer such as "n1-standard-4+1xT4" attaches its GPUs."""
+    machine, _, accelerator = offer.instance_type.partition("+")
+    guest: list[gcp.compute.InstanceGuestAcceleratorArgs] = []
+    if accelerator:  # N1 + attached GPUs, e.g. "n1-standard-4+1xT4"
+        count, _, gpu = accelerator.partition("x")
+        guest = [
+            gcp.compute.InstanceGuestAcceleratorArgs(
+                type=f"nvidia-tesla-{gpu.lower()}", count=int(count)
+            )
+        ]
+    digest = hashlib.sha256(args.replica_key.encode()).hexdigest()[:10]
+    labels = {k.replace("coral:", "coral-"): _label(v) for k, v in tags.items()}
+    return gcp.compute.Instance(
+        name,
+        name=f"coral-{args.stack}-{digest}-n{tags['coral:node']}"[:63],
+        machine_type=machine,
+        zone=args.region.zone,
+        boot_disk=gcp.compute.InstanceBootDiskArgs(
+            initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
+                image=args.region.image, size=disk_gb, type="pd-balanced"
+            )
+        ),
+        network_interfaces=[
+            gcp.compute.InstanceNetworkInterfaceArgs(
+                subnetwork=args.region.subnet_id,
+                access_configs=[gcp.compute.InstanceNetworkInterfaceAccessConfigArgs()],
+            )
+        ],
+        scheduling=gcp.compute.InstanceSchedulingArgs(
+            on_host_maintenance="TERMINATE", automatic_restart=True
+        ),
+        guest_accelerators=guest,
+        metadata={"user-data": user_data, "install-nvidia-driver": "True"},
+        service_account=gcp.compute.InstanceServiceAccountArgs(
+            email=args.identity.gcp_service_account, scopes=["cloud-platform"]
+        ),
+        tags=[args.group],
+        labels=labels,
+        opts=opts,
+    )
+
+
+def _gcp_ips(node: gcp.compute.Instance) -> tuple[pulumi.Output[str], pulumi.Output[str]]:
+    """A GCP node's private IP and public (NAT) IP, "" without one. The SDK types both as
+    optional (its output types double as inputs); GCP sets them on every created interface."""
+    private_ip = node.network_interfaces.apply(lambda nis: cast(str, nis[0].network_ip))
+    public_ip = node.network_interfaces.apply(
+        lambda nis: cast(str, nis[0].access_configs[0].nat_ip) if nis[0].access_configs else ""
+    )
+    return private_ip, public_ip
 
 
 def _router(prefill_ips: list[str]) -> RouterSpec:

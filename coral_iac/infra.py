@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -175,25 +174,25 @@ class Infra:
     def aws_group(self, r: Region, model: str, public: bool) -> pulumi.Output[str]:
         """Security group of one model's nodes in one region (see the module doc)."""
         if model not in r.groups:
-            ingress: list[dict[str, Any]] = [
-                {
-                    "protocol": "-1",
-                    "from_port": 0,
-                    "to_port": 0,
-                    "self": True,
-                    "description": "nodes of this model in this region (vLLM, NCCL, NIXL)",
-                }
+            ingress = [
+                aws.ec2.SecurityGroupIngressArgs(
+                    protocol="-1",
+                    from_port=0,
+                    to_port=0,
+                    self=True,
+                    description="nodes of this model in this region (vLLM, NCCL, NIXL)",
+                )
             ]
             if public and self.deploy.api_cidrs:
                 port = self.deploy.api_port
                 ingress.append(
-                    {
-                        "protocol": "tcp",
-                        "from_port": port,
-                        "to_port": port,
-                        "cidr_blocks": list(self.deploy.api_cidrs),
-                        "description": "OpenAI-compatible API",
-                    }
+                    aws.ec2.SecurityGroupIngressArgs(
+                        protocol="tcp",
+                        from_port=port,
+                        to_port=port,
+                        cidr_blocks=list(self.deploy.api_cidrs),
+                        description="OpenAI-compatible API",
+                    )
                 )
             if public and self.gateway is not None:
                 ingress.append(self._gateway_rule(r))
@@ -203,13 +202,13 @@ class Infra:
                 vpc_id=r.network,
                 ingress=ingress,
                 egress=[
-                    {
-                        "protocol": "-1",
-                        "from_port": 0,
-                        "to_port": 0,
-                        "cidr_blocks": ["0.0.0.0/0"],
-                        "description": "weights, packages",
-                    }
+                    aws.ec2.SecurityGroupEgressArgs(
+                        protocol="-1",
+                        from_port=0,
+                        to_port=0,
+                        cidr_blocks=["0.0.0.0/0"],
+                        description="weights, packages",
+                    )
                 ],
                 tags={"coral:stack": self.stack, "coral:model": model},
                 opts=pulumi.ResourceOptions(provider=r.provider),
@@ -217,18 +216,20 @@ class Infra:
             r.groups[model] = group.id
         return r.groups[model]
 
-    def _gateway_rule(self, r: Region) -> dict[str, Any]:
+    def _gateway_rule(self, r: Region) -> aws.ec2.SecurityGroupIngressArgs:
+        """The API port open to the gateway: by its security group in its own region, by its
+        Elastic IP elsewhere."""
         assert self.gateway is not None
         port, gw = self.deploy.api_port, self.gateway
-        rule: dict[str, Any] = {
-            "protocol": "tcp",
-            "from_port": port,
-            "to_port": port,
-            "description": "Coral gateway",
-        }
-        if (gw.cloud, gw.region) == ("aws", r.region):
-            return rule | {"security_groups": [gw.group_id]}
-        return rule | {"cidr_blocks": [gw.public_ip.apply(lambda ip: f"{ip}/32")]}
+        same_region = (gw.cloud, gw.region) == ("aws", r.region)
+        return aws.ec2.SecurityGroupIngressArgs(
+            protocol="tcp",
+            from_port=port,
+            to_port=port,
+            description="Coral gateway",
+            security_groups=[gw.group_id] if same_region else None,
+            cidr_blocks=None if same_region else [gw.public_ip.apply(lambda ip: f"{ip}/32")],
+        )
 
     # ---------------------------------------------------------------- GCP
 
