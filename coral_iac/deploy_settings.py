@@ -1,5 +1,6 @@
 """How the Pulumi program deploys a plan: the `deploy` section of `coral:fleet` (ports, CIDRs,
-images, secrets, boot and drain times, the gateway). The solver never reads it."""
+images, secrets, drain time, the gateway). The solver never reads it; the boot time is the
+solver's `allocation.boot_minutes`, which also sets the start-up penalty K."""
 
 from __future__ import annotations
 
@@ -73,13 +74,6 @@ class DeploySettings(BaseModel):
     gcp_zones: dict[str, str] = Field(
         default_factory=dict, description="Region -> zone (default <region>-a)."
     )
-    boot_minutes: float = Field(
-        default=20,
-        gt=0,
-        description="Time a new instance needs to serve (boot, weights, CUDA graphs). A run "
-        "counts it ready only this long after it was first declared; until then the instances "
-        "it replaces keep serving (docs/deploy.md, safe reconfiguration).",
-    )
     drain_minutes: float = Field(
         default=5,
         ge=0,
@@ -93,6 +87,16 @@ class DeploySettings(BaseModel):
     gateway: GatewaySettings = Field(
         default_factory=GatewaySettings, description="One address per model (docs/gateway.md)."
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _boot_moved(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "boot_minutes" in data:
+            raise ValueError(
+                "boot_minutes moved to coral:fleet.allocation.boot_minutes (one boot time for "
+                "the start-up penalty K and for readiness); move the key there"
+            )
+        return data
 
     @model_validator(mode="after")
     def _cidrs(self) -> DeploySettings:

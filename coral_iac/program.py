@@ -382,7 +382,11 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
     state = transition(
-        previous_state, plan, options.clock(), deploy.boot_minutes * 60, deploy.drain_minutes * 60
+        previous_state,
+        plan,
+        options.clock(),
+        fleet.allocation.boot_minutes * 60,  # the boot time K is derived from
+        deploy.drain_minutes * 60,
     )
     state = _without_removed_models(state, fleet)
     pulumi.log.info(cost_diff_table(previous, plan, state))

@@ -3,7 +3,8 @@
 Parsed once into frozen pydantic models; errors name the key path (`coral:fleet.models.phi-4.
 slo_ms.prefill`) and the fix. Sections: models (SLOs, request shape, demand, serving mode),
 regions, node_configs, library (N_max, rho, runtime mode), availability / gpu_pools / prices
-(overrides of the catalog), allocation (K, budget, solver settings), demand_source.
+(overrides of the catalog), allocation (boot time and re-plan interval, which give K; budget;
+solver settings), demand_source.
 
 The `deploy` section of the same object belongs to the Pulumi program: the solver leaves it to
 `coral_iac.deploy_settings`, which validates it (the solver knows nothing of images or ports).
@@ -147,11 +148,19 @@ class AllocationSettings(BaseModel):
     """Online allocation ILP settings."""
 
     model_config = FROZEN
-    startup_penalty_k: float = Field(
-        default=0.1,
-        ge=0,
-        description="K = node start-up time / adjustment interval; 0.1 = 6 min boot and model "
-        "load over the paper's 60 min interval (paper Sec. 6.1).",
+    boot_minutes: float = Field(
+        default=20,
+        gt=0,
+        description="Time a new instance needs to serve (boot, weights, CUDA graphs). It sets "
+        "the start-up penalty K = boot_minutes / adjustment_interval_minutes, and the Pulumi "
+        "program counts an instance ready only this long after it was first declared; until "
+        "then the instances it replaces keep serving (docs/deploy.md, safe reconfiguration).",
+    )
+    adjustment_interval_minutes: float = Field(
+        default=60,
+        gt=0,
+        description="How often the fleet is re-planned (the paper's 60 min); with boot_minutes "
+        "it sets K. The paper's K = 0.1 is boot_minutes 6 over 60 (Sec. 6.1).",
     )
     target_utilization: float = Field(
         default=1.0,
@@ -172,6 +181,22 @@ class AllocationSettings(BaseModel):
     time_limit_s: float = Field(default=60, gt=0)
     relative_gap: float = Field(default=0.01, ge=0, lt=1)
     threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _k_is_derived(cls, data: Any) -> Any:
+        if isinstance(data, dict) and "startup_penalty_k" in data:
+            raise ValueError(
+                "startup_penalty_k is no longer set directly: K = boot_minutes / "
+                "adjustment_interval_minutes (defaults 20 and 60); set those instead "
+                "(the paper's K = 0.1: boot_minutes: 6, adjustment_interval_minutes: 60)"
+            )
+        return data
+
+    @property
+    def startup_penalty_k(self) -> float:
+        """K = start-up time / adjustment interval: a new instance pays K x its $/hour."""
+        return self.boot_minutes / self.adjustment_interval_minutes
 
 
 DemandKind = Literal["config", "file", "prometheus"]

@@ -132,9 +132,7 @@ def two_stage_cost(models, prices, available) -> float:
         {c: (c, 1) for c in TYPES},
     )
     demand = {(name, "prefill"): float(jm.demand) for name, jm in models.items()}
-    problem = Problem(
-        demand, columns, market, AllocationSettings(startup_penalty_k=0, relative_gap=0)
-    )
+    problem = Problem(demand, columns, market, AllocationSettings(relative_gap=0))
     sol = solve_allocation(problem)
     if sol.fraction < 1:
         return float("inf")

@@ -72,8 +72,13 @@ def test_demand_within_running_slack_changes_nothing():
 
 def test_without_previous_plan_the_penalty_is_k_times_the_fleet():
     p = plan_for(with_rps(3, 4))
-    k = SMALL_FLEET.get("allocation", {}).get("startup_penalty_k", 0.1)
+    k = 20 / 60  # the defaults: boot_minutes / adjustment_interval_minutes
+    assert fleet().allocation.startup_penalty_k == pytest.approx(k)
     assert p.startup_penalty_usd_per_hour == pytest.approx(k * p.hourly_cost_usd, abs=1e-4)
+    paper = plan_for(with_rps(3, 4, allocation={"boot_minutes": 6, "relative_gap": 0}))
+    assert paper.startup_penalty_usd_per_hour == pytest.approx(
+        0.1 * paper.hourly_cost_usd, abs=1e-4
+    )
 
 
 def test_scarcity_serves_a_uniform_fraction_and_names_the_binding_nodes():
@@ -199,6 +204,11 @@ def _availability_cls():
             "availability[0]",
         ),
         ({"allocation": {"backend": "gurobi"}}, "allocation.backend"),
+        (
+            {"allocation": {"startup_penalty_k": 0.1}},
+            "allocation: Value error, startup_penalty_k is no longer set directly: "
+            "K = boot_minutes / adjustment_interval_minutes",
+        ),
     ],
 )
 def test_bad_stack_config_names_the_key_path(change, path):
@@ -467,3 +477,38 @@ def test_the_planner_tells_stale_from_missing_by_type_not_by_wording(monkeypatch
     assert built == [job]
     with pytest.raises(StaleLibraryError):
         planner.libraries_for(perf(), fleet(), [job], tmp_path, rebuild_stale=False)
+
+
+# ---------------------------------------------------------------- one boot time: K and readiness
+
+
+def test_the_program_counts_instances_ready_after_allocation_boot_minutes(tmp_path, preview):
+    """The boot time that gives K is the one the program's readiness uses."""
+    from datetime import UTC, datetime, timedelta
+
+    import yaml
+
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+    fleet_doc = doc["config"]["coral:fleet"]
+    fleet_doc["allocation"] = fleet_doc.get("allocation", {}) | {"boot_minutes": 5}
+    (tmp_path / "stacks").mkdir()
+    (tmp_path / "stacks" / "Pulumi.boot5.yaml").write_text(yaml.safe_dump(doc))
+    t0 = datetime(2026, 11, 1, tzinfo=UTC)
+    first = preview("boot5", tmp_path / "stacks", now=t0)
+    assert first.plan.startup_penalty_usd_per_hour == pytest.approx(
+        5 / 60 * first.plan.hourly_cost_usd, abs=1e-4
+    )
+    early = preview("boot5", tmp_path / "stacks", previous_outputs=first.outputs, now=t0)
+    assert early.outputs["instances_by_state"]["starting"]
+    later = t0 + timedelta(minutes=6)  # past 5, short of the default 20
+    booted = preview("boot5", tmp_path / "stacks", previous_outputs=early.outputs, now=later)
+    states = booted.outputs["instances_by_state"]
+    assert states["ready"] and not states.get("starting")
+
+
+def test_deploy_boot_minutes_is_refused_with_where_it_moved():
+    from coral_iac.deploy_settings import parse_deploy
+
+    config = {"coral:fleet": SMALL_FLEET | {"deploy": {"boot_minutes": 20}}}
+    with pytest.raises(InputError, match="allocation.boot_minutes"):
+        parse_deploy(config, "test")
