@@ -164,7 +164,7 @@ def node_boots(
             node_index=k,
             model=template.model,
             hf_repo=hf_repo,
-            phase=phase,  # type: ignore[arg-type]
+            phase=phase,
             nnodes=len(template.stages),
             tp=tp,
             layer_partition=template.layer_partition,

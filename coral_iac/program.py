@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import io
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
@@ -174,8 +174,8 @@ def declare(
     deploy: DeploySettings,
     perf: PerfModel,
     stack: str,
-    states: dict[str, str] | None = None,
-    peers: dict[str, list[str]] | None = None,
+    states: Mapping[str, str] | None = None,
+    peers: Mapping[str, list[str]] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
     the gateway's outputs (none when `deploy.gateway.enabled` is false).
@@ -269,7 +269,7 @@ def declare(
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
 
 
-def _gateway_states(plan: Plan, states: dict[str, str]) -> dict[str, str]:
+def _gateway_states(plan: Plan, states: Mapping[str, str]) -> dict[str, str]:
     """The gateway's view of its upstreams (aggregated and decode instances). A retiring one
     still takes new requests, like a ready one. So does a starting one: HAProxy's `/health`
     checks keep requests off it until vLLM is up, so new capacity serves as soon as it has

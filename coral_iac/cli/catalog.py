@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Annotated
 
@@ -82,7 +83,7 @@ def catalog_import_skypilot(
 
     try:
         with vms_csv.open(encoding="utf-8", newline="") as handle:
-            rows = list(csv.DictReader(handle))
+            rows: list[Mapping[str, str]] = list(csv.DictReader(handle))
     except OSError as exc:
         raise InputError(
             str(vms_csv), f"cannot read file ({exc.strerror})", "check the path"

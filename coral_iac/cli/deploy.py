@@ -116,10 +116,20 @@ def render(
     for r in result.resources:
         if r.type not in NODE_TYPES:
             continue
-        text = r.inputs.get("userData") or (r.inputs.get("metadata") or {}).get("user-data")
-        (out_dir / f"{r.name}.yaml").write_text(text, encoding="utf-8")
+        (out_dir / f"{r.name}.yaml").write_text(_user_data(r), encoding="utf-8")
         count += 1
     err.print(f"Wrote {count} user-data files to {out_dir}")
+
+
+def _user_data(resource: Any) -> str:
+    """A node's rendered user-data: AWS `userData`, GCP `metadata.user-data`."""
+    from solver.errors import CoralError
+
+    inputs = resource.inputs
+    text = inputs.get("userData") or (inputs.get("metadata") or {}).get("user-data")
+    if not isinstance(text, str):
+        raise CoralError(f"node {resource.name} declares no user-data")
+    return text
 
 
 def register(app: typer.Typer) -> None:

@@ -12,6 +12,7 @@ from solver.performance.calibration import (
     FileError,
     all_abs_rel_errors,
 )
+from solver.types import Phase
 
 
 def calibration_markdown(
@@ -46,7 +47,8 @@ def calibration_markdown(
         "| phase | all points | median abs. rel. error | target |",
         "|---|---:|---:|---:|",
     ]
-    for phase, target in (("decode", "15%"), ("prefill", "20%")):
+    targets: tuple[tuple[Phase, str], ...] = (("decode", "15%"), ("prefill", "20%"))
+    for phase, target in targets:
         errs = all_abs_rel_errors(files, cards, catalog, cal, phase)
         lines.append(f"| {phase} | {len(errs)} | {statistics.median(errs):.1%} | <= {target} |")
     lines += [

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, cast
 
 import typer
 from rich.table import Table
@@ -89,7 +89,8 @@ def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) 
     for col in cols:
         table.add_column(col, justify="left" if col in cols[:3] else "right")
     for r in rows:
-        flag = "" if 0.9 <= float(r["ratio"]) <= 1.1 else " !"
+        ratio = cast(float, r["ratio"])  # capacity_check rows are dict[str, object]
+        flag = "" if 0.9 <= ratio <= 1.1 else " !"
         table.add_row(
             str(r["model"]),
             str(r["phase"]),

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, TypedDict
 
 import typer
 from rich.table import Table
@@ -20,6 +20,21 @@ from coral_iac.cli.console import (
 
 templates_app = typer.Typer(help="Serving-template library (offline stage).", no_args_is_help=True)
 LIB_PHASES = ("prefill", "decode", "aggregated")
+
+
+class TemplateRow(TypedDict):
+    """One row of `coral templates show` (its `--json` output)."""
+
+    key: str
+    mode: str
+    nodes: list[str]
+    stages: list[dict[str, Any]]
+    layer_partition: str
+    tokens_per_s: float
+    unit: str
+    usd_per_hour: float
+    region: str
+    tokens_per_s_per_usd: float
 
 
 def _fleet(stack: str, mode: str | None) -> Any:
@@ -126,7 +141,7 @@ def templates_show(
             "build it with `coral templates build`, or check --model/--phase/--mode",
         )
     cat = load_catalog()
-    rows = []
+    rows: list[TemplateRow] = []
     for f in files:
         lib = Library.model_validate_json(f.read_text(encoding="utf-8"))
         for t in lib.templates:
