@@ -16,31 +16,12 @@ from solver.catalog.offers import Catalog
 from solver.errors import InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
+from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, template_ref
 from solver.plan.validator import validate_plan
 from solver.stack import FleetConfig
 from solver.templates.library import Library, build_libraries, load_library, save_library
 from solver.types import Job
-
-
-def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
-    """(model, phase) -> demand: tokens/s for prefill and decode, requests/s for aggregated.
-
-    Raises:
-        InputError: a model without demand, or with a demand its serving mode cannot use.
-    """
-    out: dict[Job, float] = {}
-    for model, spec in fleet.models.items():
-        try:
-            for phase, d in spec.phase_demand().items():
-                out[(model, phase)] = d
-        except ValueError as e:
-            raise InputError(
-                f"coral:fleet.models.{model}.demand",
-                str(e),
-                "add `demand: {requests_per_s: N}` (or tokens_per_s: {prefill, decode})",
-            ) from e
-    return out
 
 
 def libraries_for(
@@ -178,7 +159,7 @@ def plan_stack(
     templates = {job: lib.templates for job, lib in libs.items()}
     columns = make_columns(templates, market, demand)
     # Capacity to buy: demand over the target utilization (headroom for queueing).
-    needed = {job: d / fleet.allocation.target_utilization for job, d in demand.items()}
+    needed = capacity_needed(fleet, demand)
     if method == "homo":
         solution = homo_solution(fleet, market, needed, columns)
     else:

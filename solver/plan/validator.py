@@ -4,7 +4,11 @@ It recomputes, from the stack, the catalog and the model cards alone:
 
 - availability per (region, node config) and per GPU pool;
 - the price of every instance, and the plan's total and per-model costs;
-- demand cover at the plan's served fraction;
+- each (model, phase)'s demand, from the stack (never the plan's own figures), that every job
+  of the stack is in the plan, and demand cover: every job gets at least the served fraction x
+  demand / `allocation.target_utilization` (the planner's capacity rule), where the served
+  fraction may be no more than what the instances deliver;
+- colocated prefill and decode (`allocation.colocate_phases`) and the budget, for every method;
 - that every template belongs to its model and phase, serves every layer once, and was built
   for the stack's current SLO;
 - that instance keys are unique and follow the stable scheme.
@@ -14,15 +18,20 @@ Every plan the CLI writes and every plan in the tests passes through `validate_p
 
 from __future__ import annotations
 
-from solver.catalog.market import build_market
+from dataclasses import dataclass, field
+
+from solver.catalog.market import Market, build_market
 from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
-from solver.plan.schema import Plan, instance_key, template_ref
+from solver.plan.demand import capacity_needed, stack_demand
+from solver.plan.schema import Instance, JobResult, Plan, instance_key, template_ref
 from solver.stack import FleetConfig
 from solver.templates.serving_template import ServingTemplate
+from solver.types import Job
 
 TOL = 1e-6
+Slot = tuple[tuple[str, str], str]
 
 
 class InvalidPlan(CoralError):
@@ -33,47 +42,103 @@ class InvalidPlan(CoralError):
         super().__init__("invalid plan:\n  " + "\n  ".join(problems))
 
 
+@dataclass
+class _Tally:
+    """What the plan's instances add up to, recomputed from the market."""
+
+    used: dict[Slot, int] = field(default_factory=dict)
+    total: float = 0.0
+    usd: dict[Job, float] = field(default_factory=dict)
+    supply: dict[Job, float] = field(default_factory=dict)
+    count: dict[Job, int] = field(default_factory=dict)
+
+
 def plan_problems(
     plan: Plan, fleet: FleetConfig, catalog: Catalog, cards: dict[str, ModelCard]
 ) -> list[str]:
-    """Every rule the plan breaks (empty when it is valid)."""
+    """Every rule the plan breaks (empty when it is valid).
+
+    Args:
+        plan: the plan to check; only its instances and templates are taken as facts.
+        fleet: the stack the plan is for (demand, SLOs, market overrides, allocation).
+        catalog: offers, for prices and availability.
+        cards: model cards, for layer counts.
+
+    Returns:
+        One line per broken rule, naming the instance, job or slot and the numbers.
+
+    Raises:
+        InputError: the stack itself has no usable demand for a model.
+    """
     problems: list[str] = []
     market = build_market(fleet, catalog)
-    used: dict[tuple[tuple[str, str], str], int] = {}
-    total = 0.0
-    by_job: dict[tuple[str, str], list[float]] = {}
-    keys = set()
+    tally = _Tally()
+    keys: set[str] = set()
     for inst in plan.instances:
-        region = (inst.cloud, inst.region)
-        ref = template_ref(inst.model, inst.phase, inst.template)
-        want = instance_key(inst.model, inst.phase, *region, inst.template, inst.index)
-        if inst.key != want or inst.key in keys:
-            problems.append(f"instance key {inst.key}: duplicate or not {want}")
-        keys.add(inst.key)
-        t = plan.templates.get(ref)
-        if t is None:
-            problems.append(f"{inst.key}: template {ref} is not in the plan")
-            continue
-        if t.model != inst.model or t.phase != inst.phase or sorted(t.nodes) != sorted(inst.nodes):
-            problems.append(f"{inst.key}: template {ref} is for {t.model} {t.phase} {t.nodes}")
-        price = 0.0
-        for n in inst.nodes:
-            used[(region, n)] = used.get((region, n), 0) + 1
-            if (region, n) not in market.price:
-                problems.append(f"{inst.key}: {n} is not sold in {inst.cloud}:{inst.region}")
-            else:
-                price += market.price[(region, n)]
-        if abs(price - inst.usd_per_hour) > 1e-4:
-            problems.append(f"{inst.key}: costs {price:.4f} $/h, the plan says {inst.usd_per_hour}")
-        if abs(inst.throughput - t.throughput) > TOL * max(1.0, t.throughput):
-            problems.append(f"{inst.key}: throughput {inst.throughput} != template {t.throughput}")
-        total += price
-        by_job.setdefault((inst.model, inst.phase), []).extend([price, t.throughput])
+        problems.extend(_instance_problems(inst, plan, market, keys, tally))
     for ref, t in sorted(plan.templates.items()):
         problems.extend(_template_problems(ref, t, fleet, cards))
+    problems.extend(_capacity_problems(market, tally.used))
+    if abs(tally.total - plan.hourly_cost_usd) > 1e-3:
+        problems.append(
+            f"hourly cost: recomputed {tally.total:.4f} $/h, the plan says {plan.hourly_cost_usd}"
+        )
+    demand = stack_demand(fleet)
+    problems.extend(_demand_problems(plan, fleet, demand, tally))
+    if fleet.allocation.colocate_phases:
+        demanded = {job for job, d in demand.items() if d > 0}
+        paired = {m for m, ph in demanded if ph == "prefill" and (m, "decode") in demanded}
+        for model, cloud, where, seen in plan.unpaired(paired):
+            problems.append(f"{model}: only {'/'.join(seen)} in {cloud}:{where}")
+    budget = fleet.allocation.budget_usd_per_hour
+    if budget is not None and tally.total > budget + 1e-6:
+        problems.append(
+            f"hourly cost {tally.total:.2f} exceeds the budget {budget} ({plan.method})"
+        )
+    return problems
+
+
+def _instance_problems(
+    inst: Instance, plan: Plan, market: Market, keys: set[str], tally: _Tally
+) -> list[str]:
+    """One instance's key, template and price; adds what it uses and delivers to `tally`."""
+    out = []
+    region = (inst.cloud, inst.region)
+    ref = template_ref(inst.model, inst.phase, inst.template)
+    want = instance_key(inst.model, inst.phase, *region, inst.template, inst.index)
+    if inst.key != want or inst.key in keys:
+        out.append(f"instance key {inst.key}: duplicate or not {want}")
+    keys.add(inst.key)
+    t = plan.templates.get(ref)
+    if t is None:
+        return [*out, f"{inst.key}: template {ref} is not in the plan"]
+    if t.model != inst.model or t.phase != inst.phase or sorted(t.nodes) != sorted(inst.nodes):
+        out.append(f"{inst.key}: template {ref} is for {t.model} {t.phase} {t.nodes}")
+    price = 0.0
+    for n in inst.nodes:
+        tally.used[(region, n)] = tally.used.get((region, n), 0) + 1
+        if (region, n) not in market.price:
+            out.append(f"{inst.key}: {n} is not sold in {inst.cloud}:{inst.region}")
+        else:
+            price += market.price[(region, n)]
+    if abs(price - inst.usd_per_hour) > 1e-4:
+        out.append(f"{inst.key}: costs {price:.4f} $/h, the plan says {inst.usd_per_hour}")
+    if abs(inst.throughput - t.throughput) > TOL * max(1.0, t.throughput):
+        out.append(f"{inst.key}: throughput {inst.throughput} != template {t.throughput}")
+    job = (inst.model, inst.phase)
+    tally.total += price
+    tally.usd[job] = tally.usd.get(job, 0.0) + price
+    tally.supply[job] = tally.supply.get(job, 0.0) + t.throughput
+    tally.count[job] = tally.count.get(job, 0) + 1
+    return out
+
+
+def _capacity_problems(market: Market, used: dict[Slot, int]) -> list[str]:
+    """Nodes used over availability per (region, node config), and GPUs over each pool."""
+    out = []
     for slot, count in sorted(used.items()):
         if count > market.available.get(slot, 0):
-            problems.append(
+            out.append(
                 f"{slot[0][0]}:{slot[0][1]} {slot[1]}: {count} nodes used, "
                 f"{market.available.get(slot, 0)} available"
             )
@@ -81,35 +146,78 @@ def plan_problems(
         gpus = sum(
             n * market.gpu_of[node][1]
             for (r, node), n in used.items()
-            if r == region and market.gpu_of[node][0] == gpu
+            if r == region and node in market.gpu_of and market.gpu_of[node][0] == gpu
         )
         if gpus > limit:
-            problems.append(
-                f"{region[0]}:{region[1]} {gpu} pool: {gpus} GPUs used, {limit} available"
+            out.append(f"{region[0]}:{region[1]} {gpu} pool: {gpus} GPUs used, {limit} available")
+    return out
+
+
+def served_fraction(
+    fleet: FleetConfig, demand: dict[Job, float], supply: dict[Job, float]
+) -> float:
+    """The largest uniform fraction of every job's capacity need that `supply` delivers.
+
+    Args:
+        fleet: the stack (its target utilization).
+        demand: (model, phase) -> demand from the stack.
+        supply: (model, phase) -> throughput the instances deliver.
+
+    Returns:
+        min over jobs with demand of supply / (demand / target utilization), at most 1.
+    """
+    needed = capacity_needed(fleet, demand)
+    ratios = [supply.get(job, 0.0) / n for job, n in needed.items() if n > 0]
+    return min([1.0, *ratios])
+
+
+def _demand_problems(
+    plan: Plan, fleet: FleetConfig, demand: dict[Job, float], tally: _Tally
+) -> list[str]:
+    """Every stack job in the plan with the stack's demand, covered at the served fraction."""
+    out = []
+    recorded = {(j.model, j.phase): j for j in plan.jobs}
+    needed = capacity_needed(fleet, demand)
+    u, phi = fleet.allocation.target_utilization, plan.served_fraction
+    for job, d in sorted(demand.items()):
+        unit = "requests/s" if job[1] == "aggregated" else "tokens/s"
+        rec, supply = recorded.get(job), tally.supply.get(job, 0.0)
+        name = f"{job[0]} {job[1]}"
+        if rec is None:
+            out.append(f"{name}: the stack demands {d:.1f} {unit}; the plan has no such job")
+        elif abs(rec.demand - d) > TOL * max(1.0, d):
+            out.append(f"{name}: the plan says {rec.demand:.1f} {unit} demanded, the stack {d:.1f}")
+        if supply < needed[job] * phi * (1 - TOL) - TOL:
+            out.append(
+                f"{name}: {supply:.1f} {unit} delivered, {phi:.4f} x {d:.1f} demanded "
+                f"/ {u:g} target utilization = {needed[job] * phi:.1f} needed"
             )
-    if abs(total - plan.hourly_cost_usd) > 1e-3:
-        problems.append(
-            f"hourly cost: recomputed {total:.4f} $/h, the plan says {plan.hourly_cost_usd}"
+        if rec is not None:
+            out.extend(_job_record_problems(plan, rec, tally))
+    actual = served_fraction(fleet, demand, tally.supply)
+    if phi > actual + TOL:
+        out.append(f"served fraction: the plan says {phi:.4f}, its instances serve {actual:.4f}")
+    for job in sorted(set(recorded) - set(demand)):
+        out.append(f"{job[0]} {job[1]}: in the plan's jobs but not in the stack")
+    for job in sorted(set(tally.count) - set(demand)):
+        out.append(f"{job[0]} {job[1]}: {tally.count[job]} instances for a job the stack lacks")
+    return out
+
+
+def _job_record_problems(plan: Plan, rec: JobResult, tally: _Tally) -> list[str]:
+    """A job's recorded throughput, cost and instance count against its instances."""
+    job = (rec.model, rec.phase)
+    supply, count = tally.supply.get(job, 0.0), tally.count.get(job, 0)
+    out = []
+    if abs(rec.throughput - supply) > TOL * max(1.0, supply) or rec.instances != count:
+        out.append(
+            f"{rec.model} {rec.phase}: the plan says {rec.instances} instances delivering "
+            f"{rec.throughput:.1f}, its instances are {count} delivering {supply:.1f}"
         )
-    for job in plan.jobs:
-        values = by_job.get((job.model, job.phase), [])
-        supply, usd = sum(values[1::2]), sum(values[0::2])
-        if supply < job.demand * plan.served_fraction * (1 - 1e-6) - 1e-6:
-            problems.append(
-                f"{job.model} {job.phase}: {supply:.1f} {job.unit} delivered, "
-                f"{plan.served_fraction:.4f} x {job.demand:.1f} demanded"
-            )
-        if abs(plan.cost_by_model.get(job.model, {}).get(job.phase, 0.0) - usd) > 1e-3:
-            problems.append(f"{job.model} {job.phase}: cost_by_model does not match its instances")
-    if fleet.allocation.colocate_phases:
-        demanded = {(j.model, j.phase) for j in plan.jobs if j.demand > 0}
-        paired = {m for m, ph in demanded if ph == "prefill" and (m, "decode") in demanded}
-        for model, cloud, where, seen in plan.unpaired(paired):
-            problems.append(f"{model}: only {'/'.join(seen)} in {cloud}:{where}")
-    budget = fleet.allocation.budget_usd_per_hour
-    if budget is not None and total > budget + 1e-6 and plan.method != "homo":
-        problems.append(f"hourly cost {total:.2f} exceeds the budget {budget}")
-    return problems
+    usd = tally.usd.get(job, 0.0)
+    if abs(plan.cost_by_model.get(rec.model, {}).get(rec.phase, 0.0) - usd) > 1e-3:
+        out.append(f"{rec.model} {rec.phase}: cost_by_model does not match its instances")
+    return out
 
 
 def _template_problems(
@@ -141,8 +249,18 @@ def validate_plan(
 ) -> Plan:
     """Return the plan when valid.
 
+    Args:
+        plan: the plan to check.
+        fleet: the stack it is for.
+        catalog: offers, for prices and availability.
+        cards: model cards, for layer counts.
+
+    Returns:
+        The same plan.
+
     Raises:
         InvalidPlan: listing every broken rule.
+        InputError: the stack itself has no usable demand for a model.
     """
     problems = plan_problems(plan, fleet, catalog, cards)
     if problems:
