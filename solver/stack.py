@@ -162,6 +162,11 @@ class AllocationSettings(BaseModel):
         description="How often the fleet is re-planned (the paper's 60 min); with boot_minutes "
         "it sets K. The paper's K = 0.1 is boot_minutes 6 over 60 (Sec. 6.1).",
     )
+    add_only: bool = Field(
+        default=False,
+        description="A re-plan keeps every running instance (nu >= nu0 for each running "
+        "(model, phase, region, template)) and only adds: no churn, at a possibly higher cost.",
+    )
     target_utilization: float = Field(
         default=1.0,
         gt=0,

@@ -48,6 +48,12 @@ def plan(
     strict: Annotated[
         bool, typer.Option(help="Exit 3 when demand cannot be fully served.")
     ] = False,
+    add_only: Annotated[
+        bool,
+        typer.Option(
+            help="Keep every instance of --previous and only add (coral:fleet.allocation.add_only)."
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Solve the allocation for a stack and print (and optionally write) the plan."""
@@ -59,7 +65,13 @@ def plan(
         raise InputError("--stack", "missing", "pass --stack NAME (a stacks/Pulumi.<NAME>.yaml)")
     if baseline not in (None, "homo", "cauchy"):
         raise InputError("--baseline", f"unknown baseline '{baseline}'", "use homo or cauchy")
-    result = make_plan(stack, baseline or "coral", previous, library, workers)
+    if add_only and previous is None:
+        raise InputError("--add-only", "needs the running plan", "pass --previous plan.json")
+    if add_only and baseline == "homo":
+        raise InputError(
+            "--add-only", "the Homo baseline ignores the running plan", "drop one of the two"
+        )
+    result = make_plan(stack, baseline or "coral", previous, library, workers, add_only)
     if out_file is not None:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(result.model_dump_json(indent=1) + "\n", encoding="utf-8")
@@ -74,9 +86,17 @@ def plan(
 
 
 def make_plan(
-    stack: str, method: str, previous: Path | None, library: Path | None, workers: int
+    stack: str,
+    method: str,
+    previous: Path | None,
+    library: Path | None,
+    workers: int,
+    add_only: bool = False,
 ) -> Any:
-    """Load the stack, its libraries and the running plan; solve; validate; return the plan."""
+    """Load the stack, its libraries and the running plan; solve; validate; return the plan.
+
+    `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
+    """
     from coral_iac.demand_sources import resolve_demand
     from solver.performance.default_model import load_perf_model
     from solver.plan.planner import plan_with_library
@@ -89,6 +109,9 @@ def make_plan(
         STACKS_DIR,
         warn=warn,
     )
+    if add_only:
+        allocation = fleet.allocation.model_copy(update={"add_only": True})
+        fleet = fleet.model_copy(update={"allocation": allocation})
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
     with progress_bar() as bar:

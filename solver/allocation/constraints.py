@@ -41,14 +41,16 @@ def instance_counts(solver: pywraplp.Solver, problem: Problem) -> list[Any]:
 
     ub[r,t] = min(min_c A[r,c] // U[c,t], min_g P[r,g] // sum_c U[c,t] n_g(c),
     ceil(D[m] / T(t))): more than availability allows is infeasible, and more than demand needs
-    is never cheaper.
+    is never cheaper. With ``add_only`` ub is at least nu0[r,t], so a running count above
+    today's demand stays expressible.
     """
-    return [
-        solver.IntVar(
-            0, upper_bound(c, problem.market, problem.demand[c.job]), f"nu{column_name(problem, i)}"
-        )
-        for i, c in enumerate(problem.columns)
-    ]
+    out = []
+    for i, c in enumerate(problem.columns):
+        ub = upper_bound(c, problem.market, problem.demand[c.job])
+        if problem.settings.add_only:
+            ub = max(ub, problem.running.get(c.running_key, 0))
+        out.append(solver.IntVar(0, ub, f"nu{column_name(problem, i)}"))
+    return out
 
 
 def node_usage(problem: Problem) -> dict[Slot, list[tuple[int, int]]]:
@@ -148,3 +150,13 @@ def add_colocation(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> 
 def add_budget(solver: pywraplp.Solver, cost: Any, budget: float) -> None:
     """Budget: sum_{r,t} p[r,t] nu[r,t] <= B, `cost` being the left-hand side."""
     solver.Add(cost <= budget, name="budget")
+
+
+def add_keep_running(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> None:
+    """Add-only re-plan (``allocation.add_only``): nu[r,t] >= nu0[r,t] for every running column,
+    so a re-plan only adds instances. Running instances without a column (a model or template
+    gone from the stack or library) cannot be kept."""
+    for i, c in enumerate(problem.columns):
+        running = problem.running.get(c.running_key, 0)
+        if running > 0:
+            solver.Add(nu[i] >= running, name=f"keep{column_name(problem, i)}")

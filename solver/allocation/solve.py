@@ -27,6 +27,7 @@ from solver.allocation.constraints import (
     add_colocation,
     add_demand,
     add_gpu_pools,
+    add_keep_running,
     instance_counts,
     node_usage,
 )
@@ -75,6 +76,8 @@ class _Model:
         add_demand(solver, problem, self.nu, self.phi, min_fraction)
         if s.colocate_phases:
             add_colocation(solver, problem, self.nu)
+        if s.add_only:
+            add_keep_running(solver, problem, self.nu)
         self.cost = hourly_cost(solver, problem, self.nu)
         if s.budget_usd_per_hour is not None:
             add_budget(solver, self.cost, s.budget_usd_per_hour)
@@ -139,11 +142,18 @@ def _check(status: int, what: str, problem: Problem) -> None:
     if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return
     words = STATUS.get(status, str(status))
+    fix = "raise coral:fleet.allocation.time_limit_s or use fewer node configs"
+    if status == pywraplp.Solver.INFEASIBLE and problem.settings.add_only and problem.running:
+        fix = (
+            "the running plan no longer fits the stack's availability or budget, so it cannot "
+            "be kept whole: turn off coral:fleet.allocation.add_only (or --add-only), or raise "
+            "the availability or budget"
+        )
     raise AllocationError(
         f"{what} ended {words} within {problem.settings.time_limit_s:g} s "
         f"({len(problem.columns)} template-region columns)",
         words,
-        "raise coral:fleet.allocation.time_limit_s or use fewer node configs",
+        fix,
     )
 
 
@@ -188,8 +198,11 @@ def solve_allocation(problem: Problem) -> Solution:
     a plan with a reported gap.
 
     Raises:
-        AllocationError: the backend is missing, or a solve ended without a plan.
+        AllocationError: the backend is missing, a solve ended without a plan, or an add-only
+            re-plan cannot keep a running instance.
     """
+    if problem.settings.add_only:
+        _check_keepable(problem)
     start_plan, seconds = _homogeneous_plan(problem)
     fraction, lines = 1.0, list[str]()
     if start_plan is None:
@@ -204,6 +217,27 @@ def solve_allocation(problem: Problem) -> Solution:
         i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5
     }
     return Solution(counts, fraction, _report(model, status, seconds), lines)
+
+
+def _check_keepable(problem: Problem) -> None:
+    """An add-only re-plan keeps every running instance, so each needs its column.
+
+    Raises:
+        AllocationError: running instances whose (model, phase, region, template) is no longer
+            a column: the model left the stack, the template the library, or the region sells
+            none of its nodes.
+    """
+    columns = {c.running_key for c in problem.columns}
+    lost = sorted(k for k, n in problem.running.items() if n > 0 and k not in columns)
+    if lost:
+        shown = ", ".join(f"{m}/{ph}/{cloud}:{r}/{t}" for m, ph, cloud, r, t in lost[:4])
+        raise AllocationError(
+            f"add_only cannot keep {len(lost)} running template(s) that are no longer a choice "
+            f"(model, template or region gone, or no nodes available): {shown}"
+            + (" ..." if len(lost) > 4 else ""),
+            "infeasible",
+            "turn off coral:fleet.allocation.add_only (or --add-only) for this re-plan",
+        )
 
 
 def _most_served(problem: Problem) -> tuple[float, list[str], dict[int, int], float]:

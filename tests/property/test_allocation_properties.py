@@ -106,6 +106,21 @@ def test_relabelling_regions_and_models_changes_nothing(rps, avail):
     assert other.solver.objective == pytest.approx(base.solver.objective, rel=1e-6)
 
 
+@SETTINGS
+@given(demands, st.floats(0.5, 1.5), st.floats(0.5, 1.5))
+def test_an_add_only_replan_never_removes_a_running_instance(rps, phi_scale, gpt_scale):
+    from solver.plan.schema import diff_plans
+
+    avail = [6] * len(SLOTS)
+    first = solve(with_inputs(rps, avail))
+    scaled = {"phi-4": rps["phi-4"] * phi_scale, "gpt-oss-20b": rps["gpt-oss-20b"] * gpt_scale}
+    f = with_inputs(scaled, avail, allocation={"add_only": True, "relative_gap": 0.0})
+    again = validate_plan(
+        plan_stack("test", f, perf().catalog, libraries(), first), f, perf().catalog, perf().cards
+    )
+    assert diff_plans(first, again)["removed"] == []
+
+
 # ---------------------------------------------------------------- brute force on tiny problems
 
 REGIONS = [("aws", "r1"), ("aws", "r2")]

@@ -70,6 +70,37 @@ def test_demand_within_running_slack_changes_nothing():
     assert diff_plans(first, same)["added"] == diff_plans(first, same)["removed"] == []
 
 
+def test_add_only_keeps_every_running_instance_where_the_objective_would_replace_one():
+    """+10% demand on (3, 4) req/s: the paper's objective swaps an instance for a cheaper mix;
+    with allocation.add_only the re-plan only adds, at a higher $/hour."""
+    first = plan_for(with_rps(3, 4))
+    swapped = plan_for(with_rps(3.3, 4.4), previous=first)
+    assert diff_plans(first, swapped)["removed"]
+    kept = plan_for(with_rps(3.3, 4.4, allocation={"add_only": True}), previous=first)
+    diff = diff_plans(first, kept)
+    assert diff["added"] and diff["removed"] == []
+    assert kept.hourly_cost_usd >= swapped.hourly_cost_usd
+
+
+def test_add_only_says_so_when_the_running_plan_no_longer_fits():
+    """Fewer nodes than the running plan uses (infeasible), or none (the column is gone): an
+    AllocationError naming add_only, never a plan that silently drops an instance."""
+    from collections import Counter
+
+    from solver.errors import AllocationError
+
+    first = plan_for(with_rps(3, 4))
+    used = Counter((i.region, n) for i in first.instances for n in i.nodes)
+    (region, node), n = used.most_common(1)[0]
+    assert n >= 2
+    for count, message in ((n - 1, "ended infeasible"), (0, "no longer a choice")):
+        fewer = [{"cloud": "aws", "region": region, "node": node, "count": count}]
+        f = with_rps(3, 4, availability=fewer, allocation={"add_only": True})
+        with pytest.raises(AllocationError, match=message) as exc:
+            plan_for(f, previous=first)
+        assert "allocation.add_only" in str(exc.value) and exc.value.status == "infeasible"
+
+
 def test_without_previous_plan_the_penalty_is_k_times_the_fleet():
     p = plan_for(with_rps(3, 4))
     k = 20 / 60  # the defaults: boot_minutes / adjustment_interval_minutes
@@ -512,3 +543,25 @@ def test_deploy_boot_minutes_is_refused_with_where_it_moved():
     config = {"coral:fleet": SMALL_FLEET | {"deploy": {"boot_minutes": 20}}}
     with pytest.raises(InputError, match="allocation.boot_minutes"):
         parse_deploy(config, "test")
+
+
+def test_cli_add_only_replan_removes_nothing(tmp_path, monkeypatch):
+    import yaml
+
+    lib = small_stack_with_library(tmp_path, monkeypatch)
+    first, second = tmp_path / "first.json", tmp_path / "second.json"
+    r = runner.invoke(app, ["plan", "--stack", "small", "--add-only"])
+    assert r.exit_code == 1 and "--add-only" in r.output and "--previous" in r.output
+    r = runner.invoke(app, ["plan", "--stack", "small", "--library", str(lib), "--out", str(first)])
+    assert r.exit_code == 0, r.output
+    stack = tmp_path / "stacks" / "Pulumi.small.yaml"
+    doc = yaml.safe_load(stack.read_text())
+    for spec in doc["config"]["coral:fleet"]["models"].values():
+        spec["demand"]["requests_per_s"] *= 1.5
+    stack.write_text(yaml.safe_dump(doc))
+    args = ["plan", "--stack", "small", "--library", str(lib), "--previous", str(first)]
+    r = runner.invoke(app, [*args, "--add-only", "--out", str(second)])
+    assert r.exit_code == 0, r.output
+    r = runner.invoke(app, ["plan", "diff", str(first), str(second), "--json"])
+    diff = json.loads(r.stdout)
+    assert diff["added"] and diff["removed"] == []
