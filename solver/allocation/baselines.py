@@ -4,108 +4,258 @@
   order and in isolation from the other models, it greedily picks the node config with the best
   throughput per dollar for both phases, then buys the most cost-efficient (region, template) of
   that config until demand is met. When availability runs out it falls back to the next best
-  config. It reports unmet demand.
+  config. It respects every constraint Coral's allocation does:
+  - availability per (region, node config) and GPU pools: consumed as it buys;
+  - `colocate_phases`: a disaggregated model buys region by region, opening a region only with
+    room for at least one prefill and one decode instance there (regions already open are
+    filled first, so an extra partner instance is bought only when no open region has room);
+  - the budget, and demand it cannot meet: demand is scaled down uniformly until Homo serves
+    all of it within the budget (bisection, as the paper does), and the plan's `binding` says
+    which of availability, GPU pools, colocation or the budget stopped it.
 - Cauchy-like: disaggregated, so prefill and decode may use different node configs, but each
   phase's replicas are homogeneous. It uses Coral's allocation ILP restricted to those
-  templates, so one prefill replica may feed several decode replicas and costs are optimised
-  jointly.
+  templates, so one prefill replica may feed several decode replicas, costs are optimised
+  jointly, and every constraint of the ILP holds.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
 
 from solver.allocation.problem import Column, Solution
-from solver.catalog.market import Market, RegionId
+from solver.catalog.market import Market, RegionId, region_name
 from solver.stack import FleetConfig
 from solver.types import Job
 
+EPS = 1e-9
+BISECTION_STEPS = 30
+Options = list[tuple[int, Column]]  # (column index, column)
+ByConfig = dict[str, dict[Job, Options]]  # node config -> job -> its homogeneous columns
+
 
 def homogeneous(col: Column) -> bool:
+    """Whether every node of the column's template is of one node config."""
     return len(col.usage) == 1
 
 
 def cauchy_columns(columns: list[Column]) -> list[Column]:
+    """Cauchy-like's columns: the single-node-config templates, for Coral's own ILP."""
     return [c for c in columns if homogeneous(c)]
 
 
 def homo_solution(
     fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
 ) -> Solution:
-    """Greedy Homo allocation (see module doc), at the largest uniform fraction of demand it can
-    fully serve: like the paper, demand is scaled down until the method meets it (bisection)."""
+    """Greedy Homo allocation (see module doc) at the largest uniform fraction of demand it can
+    fully serve within the budget: like the paper, demand is scaled down until the method
+    meets it (bisection).
+
+    Args:
+        fleet: the stack (model order, `allocation.colocate_phases` and the budget).
+        market: prices, availability and GPU pools.
+        demand: capacity to buy per (model, phase), at a served fraction of 1.
+        columns: every (template, region) column; Homo uses the homogeneous ones.
+
+    Returns:
+        Instance counts per column, the served fraction (floored to 0.01%, never above what
+        the counts serve) and, when below 1, the binding constraints in words.
+    """
+    budget = fleet.allocation.budget_usd_per_hour
     full = _homo_greedy(fleet, market, demand, columns)
-    if full.fraction >= 1:
+    if full.fraction >= 1 and _within(full, columns, budget):
         return full
     lo, hi, best = 0.0, 1.0, None
-    for _ in range(30):
+    for _ in range(BISECTION_STEPS):
         mid = (lo + hi) / 2
-        scaled = {j: d * mid for j, d in demand.items()}
-        trial = _homo_greedy(fleet, market, scaled, columns)
-        if trial.fraction >= 1:
+        trial = _homo_greedy(fleet, market, {j: d * mid for j, d in demand.items()}, columns)
+        if trial.fraction >= 1 and _within(trial, columns, budget):
             lo, best = mid, trial
         else:
             hi = mid
+    binding = list(full.binding)
+    if budget is not None and not _within(full, columns, budget):
+        binding.append(
+            f"budget: {budget} $/hour lets Homo serve {lo:.1%} of demand; it needs "
+            f"{_cost(full, columns):.2f} $/hour to serve {full.fraction:.1%}; raise "
+            f"coral:fleet.allocation.budget_usd_per_hour"
+        )
     if best is None:
-        return full
+        # Not even a sliver of every job fits: the unscaled pass if it is affordable, else none.
+        if _within(full, columns, budget):
+            return full
+        return Solution({}, 0.0, None, binding)
     # Floor, not round: the reported fraction must never exceed what the counts serve.
-    return Solution(best.counts, math.floor(lo * 10_000) / 10_000, None, full.binding)
+    return Solution(best.counts, math.floor(lo * 10_000) / 10_000, None, binding)
+
+
+def _cost(solution: Solution, columns: list[Column]) -> float:
+    return sum(n * columns[i].price for i, n in solution.counts.items())
+
+
+def _within(solution: Solution, columns: list[Column], budget: float | None) -> bool:
+    return budget is None or _cost(solution, columns) <= budget + 1e-6
+
+
+@dataclass
+class _Stock:
+    """What is left to buy from (nodes per slot, GPUs per pool) and what was bought."""
+
+    market: Market
+    left: dict[tuple[RegionId, str], int]
+    pools: dict[tuple[RegionId, str], int]
+    counts: dict[int, int] = field(default_factory=dict)
+    skipped: dict[str, list[str]] = field(default_factory=dict)  # model -> sites not opened
+
+    def room(self, col: Column) -> int:
+        """How many more instances of `col` fit in the nodes and GPU pools left."""
+        n = min(self.left[(col.region, node)] // k for node, k in col.usage)
+        for node, k in col.usage:
+            gpu, per_node = self.market.gpu_of[node]
+            if (col.region, gpu) in self.pools:
+                n = min(n, self.pools[(col.region, gpu)] // (k * per_node))
+        return max(0, n)
+
+    def take(self, i: int, col: Column, n: int) -> None:
+        """Buy `n` instances of column `i` (n may be negative to give them back)."""
+        self.counts[i] = self.counts.get(i, 0) + n
+        if not self.counts[i]:
+            del self.counts[i]
+        for node, k in col.usage:
+            self.left[(col.region, node)] -= n * k
+            gpu, per_node = self.market.gpu_of[node]
+            if (col.region, gpu) in self.pools:
+                self.pools[(col.region, gpu)] -= n * k * per_node
 
 
 def _homo_greedy(
     fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
 ) -> Solution:
     """One greedy pass; availability is consumed model by model, in stack order."""
-    left: dict[tuple[RegionId, str], int] = dict(market.available)
-    pools = dict(market.gpu_pools)
-    counts: dict[int, int] = {}
-    served: dict[Job, float] = {}
+    stock = _Stock(market, dict(market.available), dict(market.gpu_pools))
     homo = [(i, c) for i, c in enumerate(columns) if homogeneous(c)]
+    served: dict[Job, float] = {}
     for model in fleet.models:
         jobs = sorted(j for j in demand if j[0] == model and demand[j] > 0)
-        by_config: dict[str, dict[Job, list[tuple[int, Column]]]] = {}
+        by_config: ByConfig = {}
         for i, c in homo:
             if c.job in jobs:
                 by_config.setdefault(c.usage[0][0], {}).setdefault(c.job, []).append((i, c))
-
         order = sorted(
             by_config, key=lambda cfg: (_cost_estimate(by_config[cfg], jobs, demand), cfg)
         )
+        need = {j: demand[j] for j in jobs}
+        if fleet.allocation.colocate_phases and {ph for _, ph in jobs} >= {"prefill", "decode"}:
+            _buy_colocated(stock, by_config, order, jobs, need, demand)
+        else:
+            for job in jobs:
+                for cfg in order:
+                    _buy(stock, _by_efficiency(by_config[cfg].get(job, [])), job, need)
         for job in jobs:
-            need = demand[job]
-            for cfg in order:
-                options = sorted(
-                    by_config[cfg].get(job, []),
-                    key=lambda ic: (ic[1].price / ic[1].template.throughput, ic[0]),
-                )
-                for i, c in options:
-                    if need <= 1e-9:
-                        break
-                    n = min(
-                        math.ceil(need / c.template.throughput - 1e-9),
-                        _instances_left(c, left, pools, market),
-                    )
-                    if n > 0:
-                        counts[i] = counts.get(i, 0) + n
-                        need -= n * c.template.throughput
-                        for node, k in c.usage:
-                            left[(c.region, node)] -= n * k
-                            pool = (c.region, market.gpu_of[node][0])
-                            if pool in pools:
-                                pools[pool] -= n * k * market.gpu_of[node][1]
-            served[job] = min(1.0, 1 - max(need, 0.0) / demand[job])
+            served[job] = min(1.0, 1 - max(need[job], 0.0) / demand[job])
     fraction = min(served.values(), default=1.0)
     binding = [
-        f"{m} {ph}: {100 * f:.1f}% of demand served; its homogeneous shapes ran out of nodes"
-        for (m, ph), f in sorted(served.items())
-        if f < 1 - 1e-9
+        _shortage(job, f, stock, [c for _, c in homo if c.job == job])
+        for job, f in sorted(served.items())
+        if f < 1 - EPS
     ]
-    return Solution(counts, fraction, None, binding)
+    return Solution(dict(stock.counts), fraction, None, binding)
 
 
-def _cost_estimate(
-    per_job: dict[Job, list[tuple[int, Column]]], jobs: list[Job], demand: dict[Job, float]
-) -> float:
+def _by_efficiency(options: Options) -> Options:
+    """Cheapest $/hour per unit of throughput first; column index breaks ties."""
+    return sorted(options, key=lambda ic: (ic[1].price / ic[1].template.throughput, ic[0]))
+
+
+def _buy(stock: _Stock, options: Options, job: Job, need: dict[Job, float]) -> None:
+    """Buy `job`'s remaining need from `options`, in their order, as far as stock allows."""
+    for i, c in options:
+        if need[job] <= EPS:
+            return
+        n = min(math.ceil(need[job] / c.template.throughput - EPS), stock.room(c))
+        if n > 0:
+            stock.take(i, c, n)
+            need[job] -= n * c.template.throughput
+
+
+def _buy_colocated(
+    stock: _Stock,
+    by_config: ByConfig,
+    order: list[str],
+    jobs: list[Job],
+    need: dict[Job, float],
+    demand: dict[Job, float],
+) -> None:
+    """A disaggregated model under `colocate_phases`: buy site by site, (node config, region)
+    in the config order, each config's regions cheapest first.
+
+    A region opens with one instance of each phase there. Three passes, each only if the
+    earlier ones left demand: regions open on the site's own config while every phase still
+    needs capacity; then a phase without room on it may open on the next config in order with
+    room in that region; then regions open for one phase's remainder, with one partner
+    instance of the other (bought only for colocation).
+    """
+    sites = _sites(by_config, order, jobs, demand)
+    opened: set[RegionId] = set()
+    for fallback, partner in ((False, False), (True, False), (True, True)):
+        for (_cfg, region), here in sites.items():
+            if all(need[j] <= EPS for j in jobs):
+                return
+            if region not in opened:
+                if not partner and any(need[j] <= EPS for j in jobs):
+                    continue
+                others = order if fallback else []
+                options = {
+                    j: here.get(j, []) + [o for c in others for o in sites[(c, region)].get(j, [])]
+                    for j in jobs
+                }
+                if not _open(stock, options, jobs, need):
+                    if partner:
+                        stock.skipped.setdefault(jobs[0][0], []).append(region_name(region))
+                    continue
+                opened.add(region)
+            for job in jobs:
+                _buy(stock, here.get(job, []), job, need)
+
+
+def _sites(
+    by_config: ByConfig, order: list[str], jobs: list[Job], demand: dict[Job, float]
+) -> dict[tuple[str, RegionId], dict[Job, Options]]:
+    """(node config, region) -> each phase's options there, most efficient first.
+
+    Keys come in config order, and per config the cheapest regions for both phases first
+    (regions where that config cannot serve both phases last); every pair is a key.
+    """
+    regions = sorted({c.region for per in by_config.values() for o in per.values() for _, c in o})
+    out: dict[tuple[str, RegionId], dict[Job, Options]] = {}
+    for cfg in order:
+        here: dict[RegionId, dict[Job, Options]] = {r: {} for r in regions}
+        for job, options in by_config[cfg].items():
+            for i, c in _by_efficiency(options):
+                here[c.region].setdefault(job, []).append((i, c))
+        for r in sorted(regions, key=lambda r: (_cost_estimate(here[r], jobs, demand), r)):
+            out[(cfg, r)] = here[r]
+    return out
+
+
+def _open(stock: _Stock, here: dict[Job, Options], jobs: list[Job], need: dict[Job, float]) -> bool:
+    """Buy one instance of every phase in a region (the first of its options with room), or
+    nothing when one phase has no room there."""
+    bought: list[tuple[int, Column]] = []
+    for job in jobs:
+        pick = next(((i, c) for i, c in here.get(job, []) if stock.room(c) > 0), None)
+        if pick is None:
+            for i, c in bought:
+                stock.take(i, c, -1)
+            return False
+        stock.take(*pick, 1)
+        bought.append(pick)
+    for _, c in bought:
+        need[c.job] -= c.template.throughput
+    return True
+
+
+def _cost_estimate(per_job: dict[Job, Options], jobs: list[Job], demand: dict[Job, float]) -> float:
     """$/hour to serve every phase of a model on one node config at its best efficiency."""
     if any(j not in per_job for j in jobs):
         return math.inf  # this config cannot serve every phase
@@ -114,15 +264,51 @@ def _cost_estimate(
     )
 
 
-def _instances_left(
-    col: Column,
-    left: dict[tuple[RegionId, str], int],
-    pools: dict[tuple[RegionId, str], int],
-    market: Market,
-) -> int:
-    n = min(left[(col.region, node)] // k for node, k in col.usage)
-    for node, k in col.usage:
-        pool = (col.region, market.gpu_of[node][0])
-        if pool in pools:
-            n = min(n, pools[pool] // (k * market.gpu_of[node][1]))
-    return max(0, n)
+def _shortage(job: Job, served: float, stock: _Stock, cols: list[Column]) -> str:
+    """Why Homo serves only part of a job: the nodes, pools and colocation that stopped it."""
+    text = f"{job[0]} {job[1]}: Homo serves {100 * served:.1f}% of its demand"
+    if not cols:
+        return f"{text}; no single-node-config template of it is sold in the stack's regions"
+    full, pools = _exhausted(stock, cols)
+    if full:
+        more = " ..." if len(full) > 6 else ""
+        text += (
+            f"; no room for one more of its one-config instances at {', '.join(full[:6])}"
+            f"{more}: raise those under coral:fleet.availability"
+        )
+    if pools:
+        text += f"; GPU pools short at {', '.join(pools)}: raise them under coral:fleet.gpu_pools"
+    skipped = stock.skipped.get(job[0], [])
+    if skipped:
+        text += (
+            f"; colocate_phases needs its prefill and decode in one region, and "
+            f"{', '.join(sorted(set(skipped))[:6])} had room for only one of them "
+            f"(or set coral:fleet.allocation.colocate_phases: false)"
+        )
+    return text
+
+
+def _exhausted(stock: _Stock, cols: list[Column]) -> tuple[list[str], list[str]]:
+    """The (region, node config) slots and GPU pools where none of `cols` fits any more."""
+    market = stock.market
+    nodes: dict[tuple[RegionId, str], int] = {}  # slot -> fewest nodes an instance needs there
+    gpus: dict[tuple[RegionId, str], int] = {}  # pool -> fewest GPUs an instance needs there
+    for c in cols:
+        for node, k in c.usage:
+            gpu, per_node = market.gpu_of[node]
+            nodes[(c.region, node)] = min(nodes.get((c.region, node), k), k)
+            if (c.region, gpu) in stock.pools:
+                gpus[(c.region, gpu)] = min(gpus.get((c.region, gpu), k * per_node), k * per_node)
+    full = [
+        f"{region_name(slot[0])} {slot[1]} ({stock.left[slot]} of {market.available[slot]} "
+        f"nodes left)"
+        for slot, k in sorted(nodes.items())
+        if stock.left[slot] < k
+    ]
+    pools = [
+        f"{region_name(pool[0])} {pool[1]} ({stock.pools[pool]} of {market.gpu_pools[pool]} "
+        f"GPUs left)"
+        for pool, g in sorted(gpus.items())
+        if stock.pools[pool] < g
+    ]
+    return full, pools
