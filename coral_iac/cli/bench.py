@@ -67,7 +67,8 @@ def bench(
     import matplotlib.pyplot as plt
 
     from solver.performance.default_model import load_perf_model
-    from solver.plan.planner import libraries_for, plan_stack, stack_demand
+    from solver.plan.demand import stack_demand
+    from solver.plan.planner import libraries_for, plan_stack
     from solver.stack import load_stack
 
     perf = load_perf_model()

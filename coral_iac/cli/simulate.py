@@ -129,7 +129,8 @@ def epochs_cmd(
 
     from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
-    from solver.plan.planner import libraries_for, stack_demand
+    from solver.plan.demand import stack_demand
+    from solver.plan.planner import libraries_for
     from solver.simulation.epochs import run_epochs
     from solver.stack import load_stack
 
