@@ -18,7 +18,8 @@ from rich.table import Table
 from coral_iac.demand_sources import resolve_demand
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
-from solver.plan.planner import libraries_for, plan_stack, stack_demand
+from solver.plan.demand import stack_demand
+from solver.plan.planner import libraries_for, plan_stack
 from solver.plan.schema import Plan, diff_plans
 from solver.plan.validator import validate_plan
 from solver.stack import FleetConfig, load_stack

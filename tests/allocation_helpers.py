@@ -10,7 +10,7 @@ from typing import Any
 
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
-from solver.plan.planner import stack_demand
+from solver.plan.demand import stack_demand
 from solver.stack import FleetConfig
 from solver.templates.library import Library, build_libraries
 

@@ -132,7 +132,7 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
     from solver.allocation.problem import Problem, make_columns
     from solver.allocation.solve import FRACTION_STEPS, _homogeneous_plan, _Model
     from solver.catalog.market import build_market
-    from solver.plan.planner import stack_demand
+    from solver.plan.demand import stack_demand
 
     avail = [
         {"cloud": "aws", "region": r, "node": n, "count": 1}
@@ -249,7 +249,7 @@ def test_bad_stack_config_names_the_key_path(change, path):
 
 
 def test_model_without_demand_is_a_clear_error():
-    from solver.plan.planner import stack_demand
+    from solver.plan.demand import stack_demand
 
     f = fleet(
         models={"phi-4": {k: v for k, v in SMALL_FLEET["models"]["phi-4"].items() if k != "demand"}}
