@@ -26,6 +26,7 @@ from solver.performance.measured_tables import MeasuredTables
 from solver.types import Phase
 
 GB = 1e9
+LAYER_MEMO_MAX = 1 << 17  # memoised layer times kept per PerfModel (cleared when full)
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,11 @@ class PerfModel:
     calibration: Calibration
     settings: PerfSettings = field(default_factory=PerfSettings)
     measured: MeasuredTables = field(default_factory=MeasuredTables)
+    # ms per layer by (model, node, TP, phase, size, context): the profile table's binary
+    # searches revisit the same sizes across layer counts, budgets and with or without a hop.
+    _layer_memo: dict[tuple[str, str, int, str, float, float], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def card(self, model: ModelId) -> ModelCard:
         return get_card(self.cards, model)
@@ -270,12 +276,20 @@ class PerfModel:
         size: float,
         context: float,
     ) -> float:
+        key = (model, cfg.id, tp, phase, size, context)
+        cached = self._layer_memo.get(key)
+        if cached is not None:
+            return cached
         table = self.measured.get(model, cfg.id, phase)
         if table is not None:
             ms = table.ms_at(size)
             assert ms is not None  # callers cap size at the table's range
-            return ms
-        return self._analytical(card, cfg, tp, phase, size, context).ms
+        else:
+            ms = self._analytical(card, cfg, tp, phase, size, context).ms
+        if len(self._layer_memo) >= LAYER_MEMO_MAX:
+            self._layer_memo.clear()
+        self._layer_memo[key] = ms
+        return ms
 
 
 def _largest_within(f: Callable[[int], float], budget_ms: float, max_size: int) -> int:

@@ -98,49 +98,61 @@ def place_fast(
     """
     n = len(labels)
     parts = set_partitions(labels)
-    best: tuple[float, np.ndarray, tuple[tuple[int, ...], ...]] | None = None
+    best: Found | None = None
     for s in stage_counts or list(range(1, n + 1)):
         if s not in parts or s not in tables or s > n_layers:
             continue
         found = _best_partition(tables[s], None if last is None else last[s], parts[s], n_layers)
         if found[0] > 0 and (best is None or found[0] > best[0] * (1 + 1e-12)):
             best = found
-    if best is None:
-        return None
-    t, stage_tables, stages = best
-    js = trim_surplus(layers_at(stage_tables, t), n_layers)
-    achieved = min(float(stage_tables[i, js[i] - 1]) for i in range(len(js)))
-    return Placement(achieved, stages, tuple(js))
+    return None if best is None else _recover(best, n_layers)
+
+
+# The best of one stage count: (T, every group's summed T̂, the same as the last stage, the
+# partition's group bitmasks, the index of its last group).
+Found = tuple[float, np.ndarray, np.ndarray, np.ndarray, int]
 
 
 def _best_partition(
     table: np.ndarray, last: np.ndarray | None, masks: np.ndarray, n_layers: int
-) -> tuple[float, np.ndarray, tuple[tuple[int, ...], ...]]:
-    """Best partition among `masks` (P, S) and its last group: (T, stage tables, stages).
+) -> Found:
+    """Best partition among `masks` (P, S) and its last group.
 
-    Stages come in pipeline order: the groups by their lowest node, the last group moved to
-    the end. Later groups are tried as the last first, so ties keep the sorted order; without
-    a `last` table the order does not matter and only the sorted one is tried.
+    Later groups are tried as the last first, so ties keep the sorted order (groups by their
+    lowest node); without a `last` table the order does not matter and only that one is tried.
     """
     mm = _mask_matrix(table.shape[0])
     g = mm @ _monotone(table)  # (2^n, L) summed T̂ of every node group
     g_last = g if last is None else mm @ _monotone(last)
-    stacked, stacked_last = g[masks], g_last[masks]  # (P, S, L)
+    stacked = g[masks]  # (P, S, L)
     s = masks.shape[1]
+    if last is None:
+        ends, variants = [s - 1], stacked[None]
+    else:  # variant v: group ends[v] read from the last-stage table
+        ends = list(range(s - 1, -1, -1))
+        variants = np.repeat(stacked[None], s, axis=0)  # (S variants, P, S, L)
+        variants[np.arange(s), :, ends] = g_last[masks[:, ends]].transpose(1, 0, 2)
+    flat = variants.reshape(-1, s, variants.shape[-1])
+    lth = -np.partition(-flat.reshape(len(flat), -1), n_layers - 1, axis=1)[:, n_layers - 1]
+    values = np.minimum(lth, flat[:, :, 0].min(axis=1)).reshape(len(ends), len(masks))
     best: tuple[float, int, int] = (-1.0, 0, s - 1)  # (T, partition, last group)
-    for b in range(s - 1, -1 if last is not None else s - 2, -1):
-        cand = stacked.copy()
-        cand[:, b] = stacked_last[:, b]
-        lth = -np.partition(-cand.reshape(len(masks), -1), n_layers - 1, axis=1)[:, n_layers - 1]
-        value = np.minimum(lth, cand[:, :, 0].min(axis=1))
-        i = int(np.argmax(value))
-        if value[i] > best[0] * (1 + 1e-12) or best[0] < 0:
-            best = (float(value[i]), i, b)
-    t, i, b = best
-    order = [k for k in range(s) if k != b] + [b]
-    stage_tables = np.stack([g[masks[i, k]] for k in order[:-1]] + [g_last[masks[i, b]]])
-    stages = tuple(tuple(k for k in range(64) if (int(masks[i, m]) >> k) & 1) for m in order)
-    return t, stage_tables, stages
+    for v, b in enumerate(ends):
+        i = int(np.argmax(values[v]))
+        if v == 0 or values[v, i] > best[0] * (1 + 1e-12):
+            best = (float(values[v, i]), i, b)
+    return best[0], g, g_last, masks[best[1]], best[2]
+
+
+def _recover(found: Found, n_layers: int) -> Placement:
+    """The stages in pipeline order (the last group at the end) and their layer counts: each
+    group's J at T, the surplus taken off the largest stages first."""
+    t, g, g_last, groups, b = found
+    order = [k for k in range(len(groups)) if k != b] + [b]
+    stage_tables = np.stack([g[groups[k]] for k in order[:-1]] + [g_last[groups[b]]])
+    stages = tuple(tuple(k for k in range(64) if (int(groups[m]) >> k) & 1) for m in order)
+    js = trim_surplus(layers_at(stage_tables, t), n_layers)
+    achieved = min(float(stage_tables[i, js[i] - 1]) for i in range(len(js)))
+    return Placement(achieved, stages, tuple(js))
 
 
 def layers_at(table: np.ndarray, t: float) -> list[int]:
