@@ -4,10 +4,10 @@ What is modelled:
 
 - **Instances.** Each serving instance of the plan is a pipeline of its template's stages. A
   stage's time comes from the same function the template library uses
-  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its outgoing hop). A
-  data-parallel stage (general mode: several members hold the same layers) splits each
-  micro-batch across its members in proportion to their speed, and takes as long as its slowest
-  share; its KV capacity is the sum of its members'.
+  (`PerfModel.stage_time_ms`: its layers at its TP on its node, plus its hop to the next
+  stage; the last stage sends none). A data-parallel stage (general mode: several members hold
+  the same layers) splits each micro-batch across its members in proportion to their speed, and
+  takes as long as its slowest share; its KV capacity is the sum of its members'.
 - **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
   - a new prefill micro-batch can start every max_s(stage time), and each finishes after the
     sum of its stages;
