@@ -1,7 +1,8 @@
 """From a stack to a plan: demand per (model, phase), libraries, allocation, the plan file.
 
-`plan_stack` runs Coral's allocation or a baseline (`solver/allocation/baselines.py`) and assembles the
-`Plan`. Libraries come from a folder, and are built (or rebuilt when stale) there when asked.
+`plan_stack` runs Coral's allocation or a baseline (`solver/allocation/baselines.py`) and
+assembles the `Plan`. Libraries come from a folder, and are built (or rebuilt when stale) there
+when asked.
 """
 
 from __future__ import annotations
