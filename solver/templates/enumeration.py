@@ -82,7 +82,7 @@ class RowSource:
         self._index = {n: i for i, n in enumerate(self._names)}
 
     def chosen_tp(self, node: str, stages: int, layers: int, last: bool = False) -> int:
-        """TP degree the node's best-TP T̂ entry at `layers` uses (one TP for both phases)."""
+        """TP degree the node's best-TP T̂ entry at `layers` uses (aggregated: both phases')."""
         return int(self._entry(node, stages, None, last)[1][layers - 1])
 
     def chain_over_gpus(self, gpus: tuple[str, ...]) -> Placement | None:
