@@ -6,7 +6,7 @@ processes the node runs, their node ranks, GPUs, and the engine flags every rank
 `#cloud-config` user-data. The head's private IP is a plain string here; the Pulumi program
 passes it through `Output.apply`.
 
-Runtime rules (stock vLLM 0.33, `../shared/reference/vllm.md`):
+Runtime rules (stock vLLM 0.33: its multi-node serving and disaggregated-prefill docs):
 
 - Every vLLM "node" runs the same number of ranks. A per-GPU layout is one process per GPU,
   each its own node rank with its GPU pinned by CUDA_VISIBLE_DEVICES. A uniform-TP layout is one

@@ -3,7 +3,7 @@
 The argument list is a fixture extracted from vLLM 0.33.0's parser by
 `scripts/extract_vllm_args.py` (no vLLM import here). On top of flag names, value arity and
 simple types, it checks the cross-rank rules vLLM itself enforces at start-up
-(`../shared/reference/vllm.md` sections 1, 2 and 4):
+(vLLM 0.33.0's parallel config and `vllm serve` entrypoint; see its multi-node docs):
 
 - world size TP x PP divisible by --nnodes, which holds when every node runs the same ranks;
 - --node-rank within 0..nnodes-1; --headless on every rank but 0;

@@ -16,7 +16,7 @@ from solver.errors import CoralError
 
 METHODS = ("coral", "homo", "cauchy")
 
-# The paper's headline ratios (../shared/reference/paper.md, Sec. 6.3-6.5): cost of Homo and
+# The paper's headline ratios (Mei et al., arXiv 2605.04357, Sec. 6.3-6.5): cost of Homo and
 # Cauchy over Coral's at default demand; under scarcity, Coral's goodput over theirs.
 PAPER = {
     "paper-core": "cost 1.62x Homo, 1.60x Cauchy",
