@@ -633,7 +633,7 @@ def factors_of(cal: VidurCalibration) -> dict[str, GemmFactors]:
 
 
 def calibration_yaml(cal: VidurCalibration, digits: int = 4) -> str:
-    """The fit as YAML text (floats rounded to `digits` significant digits), for pasting."""
+    """The fit as YAML text (floats to `digits` significant digits, rank counts as int keys)."""
 
     def rounded(value: Any) -> Any:
         if isinstance(value, float):
@@ -644,6 +644,4 @@ def calibration_yaml(cal: VidurCalibration, digits: int = 4) -> str:
             return [rounded(v) for v in value]
         return value
 
-    return yaml.safe_dump(
-        {"vidur": rounded(cal.model_dump(mode="json"))}, sort_keys=False, width=100
-    )
+    return yaml.safe_dump({"vidur": rounded(cal.model_dump())}, sort_keys=False, width=100)

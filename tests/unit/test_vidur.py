@@ -1,0 +1,214 @@
+"""Vidur's vendored GEMM and all-reduce timings: loader, the GEMM prediction, and the fits."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from solver.errors import InputError
+from solver.performance.vidur import (
+    AllReduceRow,
+    ComputeRow,
+    GemmFactors,
+    GpuPeak,
+    LayerShape,
+    allreduce_ms_array,
+    calibrate,
+    calibration_yaml,
+    fit_allreduce,
+    fit_gemm,
+    gemm_ms_array,
+    load_allreduce_file,
+    load_compute_file,
+    load_compute_rows,
+    load_peaks,
+    predict_gemm_ms,
+    vidur_dir,
+)
+
+LLAMA2_7B = LayerShape(
+    n_head=32, n_kv_head=32, n_embd=4096, n_expanded_embd=11008, use_gated_mlp=True
+)
+CODELLAMA_34B = LayerShape(
+    n_head=64, n_kv_head=8, n_embd=8192, n_expanded_embd=22016, use_gated_mlp=True
+)
+PHI2 = LayerShape(n_head=32, n_kv_head=32, n_embd=2560, n_expanded_embd=10240, use_gated_mlp=False)
+PEAK = GpuPeak(memory_bandwidth_gb_s=2000.0, dense_tflops=300.0, source="test")
+NO_LATENCY = GemmFactors(e_mem=0.8, e_cmp=0.7, gemm_latency_ms=0.0)
+
+
+@pytest.fixture(scope="module")
+def calibration():
+    return calibrate()
+
+
+def test_every_vendored_file_loads_with_skus_mapped_to_catalog_ids():
+    files = sorted(vidur_dir().glob("compute_*.csv"))
+    assert len(files) == 13
+    rows = [r for f in files for r in load_compute_file(f)]
+    assert len(rows) == 12003
+    assert {r.gpu for r in rows} == {"a100-80gb", "h100", "a40"}
+    assert {r.tp for r in rows} == {1, 2, 4, 8}
+    assert all(r.gemm_ms > 0 and r.elementwise_ms > 0 for r in rows)
+    ar_files = sorted(vidur_dir().glob("network_*_all_reduce.csv"))
+    ar = [r for f in ar_files for r in load_allreduce_file(f)]
+    assert {r.topology for r in ar} == {
+        "a100_dgx",
+        "h100_dgx",
+        "a100_pairwise_nvlink",
+        "h100_pairwise_nvlink",
+    }
+    assert len(ar) == 16424
+
+
+def test_gemm_ms_is_the_sum_of_the_four_weight_gemms():
+    """First data row of the A100 Llama-2-7B file: 1.911 + 0.611 + 3.3655 + 1.604 ms."""
+    row = load_compute_file(vidur_dir() / "compute_a100_Llama-2-7b-hf_mlp.csv")[0]
+    assert row.shape == LLAMA2_7B
+    assert (row.num_tokens, row.tp) == (4096, 1)
+    assert row.gemm_ms == pytest.approx(1.911 + 0.611 + 3.3655 + 1.604)
+    assert row.elementwise_ms == pytest.approx(0.105 + 0.149 + 0.266 + 0.104 + 0.055)
+
+
+def test_gemm_params_count_qkv_o_and_mlp():
+    h, kv_dim = 8192, 8 * 128
+    assert CODELLAMA_34B.gemm_params == h * (h + 2 * kv_dim) + h * h + 3 * h * 22016
+    assert PHI2.gemm_params == 2560 * 3 * 2560 + 2560 * 2560 + 2 * 2560 * 10240
+
+
+def test_compute_bound_time_doubles_with_tokens():
+    t1 = predict_gemm_ms(LLAMA2_7B, 4096, 1, PEAK, NO_LATENCY)
+    t2 = predict_gemm_ms(LLAMA2_7B, 8192, 1, PEAK, NO_LATENCY)
+    assert t2 == pytest.approx(2 * t1)
+    flops = 2 * 4096 * LLAMA2_7B.gemm_params
+    assert t1 == pytest.approx(flops / (300e12 * 0.7) * 1e3)
+
+
+def test_memory_bound_time_ignores_tokens_and_tp_halves_it():
+    t1 = predict_gemm_ms(LLAMA2_7B, 1, 1, PEAK, NO_LATENCY)
+    assert predict_gemm_ms(LLAMA2_7B, 2, 1, PEAK, NO_LATENCY) == pytest.approx(t1)
+    assert t1 == pytest.approx(2 * LLAMA2_7B.gemm_params / (2000e9 * 0.8) * 1e3)
+    assert predict_gemm_ms(LLAMA2_7B, 1, 2, PEAK, NO_LATENCY) == pytest.approx(t1 / 2)
+    assert predict_gemm_ms(LLAMA2_7B, 4096, 2, PEAK, NO_LATENCY) == pytest.approx(
+        predict_gemm_ms(LLAMA2_7B, 4096, 1, PEAK, NO_LATENCY) / 2
+    )
+
+
+def test_latency_adds_four_gemms():
+    with_lat = GemmFactors(e_mem=0.8, e_cmp=0.7, gemm_latency_ms=0.01)
+    assert predict_gemm_ms(PHI2, 16, 1, PEAK, with_lat) == pytest.approx(
+        predict_gemm_ms(PHI2, 16, 1, PEAK, NO_LATENCY) + 0.04
+    )
+
+
+def _synthetic(factors: GemmFactors) -> list[ComputeRow]:
+    shapes = {"llama": LLAMA2_7B, "codellama": CODELLAMA_34B, "phi": PHI2}
+    grid = [(m, t, tp) for m in shapes for t in (1, 8, 64, 256, 1024, 4096) for tp in (1, 2, 4)]
+    params = np.array([shapes[m].gemm_params for m, _, _ in grid], dtype=np.float64)
+    tokens = np.array([t for _, t, _ in grid], dtype=np.float64)
+    tps = np.array([tp for _, _, tp in grid], dtype=np.float64)
+    ms = gemm_ms_array(params, tokens, tps, PEAK, factors)
+    return [
+        ComputeRow("test-gpu", m, shapes[m], t, tp, float(x), 0.0)
+        for (m, t, tp), x in zip(grid, ms, strict=True)
+    ]
+
+
+@pytest.mark.parametrize(
+    "truth",
+    [
+        GemmFactors(e_mem=0.85, e_cmp=0.72, gemm_latency_ms=0.011),
+        GemmFactors(e_mem=0.55, e_cmp=0.95, gemm_latency_ms=0.004),
+    ],
+)
+def test_fit_recovers_known_factors(truth):
+    fitted = fit_gemm(_synthetic(truth), PEAK)
+    assert fitted.e_mem == pytest.approx(truth.e_mem, rel=1e-3)
+    assert fitted.e_cmp == pytest.approx(truth.e_cmp, rel=1e-3)
+    assert fitted.gemm_latency_ms == pytest.approx(truth.gemm_latency_ms, rel=1e-2)
+
+
+def test_fit_without_latency_recovers_plain_roofline():
+    fitted = fit_gemm(_synthetic(NO_LATENCY), PEAK, latency=False)
+    assert (fitted.e_mem, fitted.e_cmp) == pytest.approx((0.8, 0.7), rel=1e-3)
+    assert fitted.gemm_latency_ms == 0.0
+
+
+@pytest.mark.parametrize(("n", "latency", "bw"), [(2, 0.02, 180.0), (8, 0.035, 350.0)])
+def test_allreduce_fit_recovers_alpha_beta(n, latency, bw):
+    sizes = np.geomspace(2048, 2**28, 40)
+    ms = allreduce_ms_array(sizes, n, latency, bw)
+    rows = [AllReduceRow("test", n, n, float(s), float(t)) for s, t in zip(sizes, ms, strict=True)]
+    fit = fit_allreduce(rows)
+    assert fit.latency_ms == pytest.approx(latency, rel=1e-3)
+    assert fit.bus_bandwidth_gb_s == pytest.approx(bw, rel=1e-3)
+    assert fit.median_abs_rel_error < 1e-4
+
+
+def test_allreduce_ring_factor_is_explicit():
+    one_gb = np.array([1e9])
+    t2 = allreduce_ms_array(one_gb, 2, 0.0, 100.0)[0]
+    t8 = allreduce_ms_array(one_gb, 8, 0.0, 100.0)[0]
+    assert t2 == pytest.approx(10.0)  # 2*(1/2) * 1 GB at 100 GB/s
+    assert t8 == pytest.approx(17.5)  # 2*(7/8) * 1 GB
+
+
+def _copy_with_line(tmp_path: Path, name: str, line_no: int, edit) -> Path:
+    src = vidur_dir() / name
+    lines = src.read_text(encoding="utf-8").splitlines()
+    lines[line_no - 1] = edit(lines[line_no - 1])
+    out = tmp_path / name
+    out.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return out
+
+
+def test_malformed_compute_row_names_file_and_line(tmp_path):
+    name = "compute_h100_phi-2_mlp.csv"
+    path = _copy_with_line(tmp_path, name, 5, lambda s: s.replace("False", "nope", 1))
+    with pytest.raises(InputError, match=rf"{name}:5: use_gated_mlp='nope'"):
+        load_compute_file(path)
+    path = _copy_with_line(tmp_path, name, 7, lambda s: ",".join(s.split(",")[:-3]))
+    with pytest.raises(InputError, match=rf"{name}:7: expected 17 cells"):
+        load_compute_file(path)
+
+
+def test_malformed_allreduce_row_names_file_and_line(tmp_path):
+    name = "network_h100_dgx_all_reduce.csv"
+    path = _copy_with_line(tmp_path, name, 3, lambda s: s.rsplit(",", 1)[0] + ",fast")
+    with pytest.raises(InputError, match=rf"{name}:3: all_reduce_ms='fast' is not a float"):
+        load_allreduce_file(path)
+
+
+def test_unknown_sku_is_named(tmp_path):
+    shutil.copy(vidur_dir() / "compute_a40_phi-2_mlp.csv", tmp_path / "compute_b200_phi-2_mlp.csv")
+    with pytest.raises(InputError, match="unknown SKU 'b200'"):
+        load_compute_rows(tmp_path)
+
+
+def test_peaks_come_from_the_catalog_and_the_a40_datasheet():
+    peaks = load_peaks()
+    assert peaks["h100"].dense_tflops == 989
+    assert peaks["a100-80gb"].memory_bandwidth_gb_s == 2039
+    assert (peaks["a40"].dense_tflops, peaks["a40"].memory_bandwidth_gb_s) == (149.7, 696)
+    assert "A40 datasheet" in peaks["a40"].source
+
+
+def test_real_fit_factors_are_plausible(calibration):
+    assert set(calibration.gpus) == {"a100-80gb", "h100", "a40"}
+    for gpu, c in calibration.gpus.items():
+        assert 0 < c.e_mem <= 1.2, gpu
+        assert 0 < c.e_cmp <= 1.2, gpu
+        assert 0 < c.gemm_latency_ms < 0.1, gpu
+        assert c.rows > 3000
+    assert set(calibration.allreduce["h100_dgx"]) == {2, 4, 8}
+    assert set(calibration.allreduce["a100_dgx"]) == {2, 4, 8}  # inter-node rows left out
+
+
+def test_calibration_yaml_round_trips(calibration):
+    data = yaml.safe_load(calibration_yaml(calibration))["vidur"]
+    assert data["gpus"]["h100"]["e_cmp"] == pytest.approx(calibration.gpus["h100"].e_cmp, rel=1e-3)
+    assert data["allreduce"]["h100_dgx"][8]["bus_bandwidth_gb_s"] > 0
