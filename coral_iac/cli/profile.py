@@ -7,7 +7,6 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-import yaml
 from rich.table import Table
 
 from coral_iac.cli.console import MeasuredOpt, err, out, print_json, reports_errors
@@ -18,6 +17,22 @@ profile_app = typer.Typer(
 )
 
 
+RuntimeOpt = Annotated[
+    str,
+    typer.Option(
+        help="Serving runtime whose fixed costs apply: vllm (vLLM 0.33, CUDA graphs; what plans "
+        "use) or helix (Helix's eager runtime, which its files were measured with).",
+    ),
+]
+ContextOpt = Annotated[
+    float | None,
+    typer.Option(
+        help="Decode context, or prefill prompt length, in tokens (default: the calibration's "
+        "fitted values, the lengths the measurements were taken at)."
+    ),
+]
+
+
 @profile_app.command("layer-time")
 @reports_errors
 def profile_layer_time(
@@ -26,17 +41,69 @@ def profile_layer_time(
     phase: Annotated[str, typer.Option(help="prefill or decode.")],
     batch: Annotated[int | None, typer.Option(help="Decode batch (sequences).")] = None,
     tokens: Annotated[int | None, typer.Option(help="Prefill batch (prompt tokens).")] = None,
-    context: Annotated[
-        float | None,
-        typer.Option(
-            help="Decode context, or prefill prompt length, in tokens (default: the calibration's "
-            "fitted values, the lengths the measurements were taken at)."
-        ),
-    ] = None,
+    context: ContextOpt = None,
+    runtime: RuntimeOpt = "vllm",
     measured: MeasuredOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Time of one transformer layer on one node (TP across the node's GPUs)."""
+    """Time of one transformer layer on one node (TP across the node's GPUs), by component."""
+    result = _layer_result(model, node, phase, batch, tokens, context, runtime, measured)
+    if as_json:
+        print_json(result)
+    else:
+        out.print(
+            f"{model} on {result['node']} ({result['phase']}, size {result['size']}, context "
+            f"{result['context']:g}, runtime {runtime}): [bold]{result['ms_per_layer']:.3f} ms[/] "
+            f"per layer (TP={result['tp']}, {result['source']})"
+        )
+
+
+@profile_app.command("explain")
+@reports_errors
+def profile_explain(
+    model: Annotated[str, typer.Option(help="Model id, e.g. llama2-70b.")],
+    node: Annotated[str, typer.Option(help="Node config <gpu>x<count>, e.g. h100x8.")],
+    phase: Annotated[str, typer.Option(help="prefill or decode.")],
+    batch: Annotated[int, typer.Option(help="Decode batch (sequences).")] = 1,
+    tokens: Annotated[int, typer.Option(help="Prefill batch (prompt tokens).")] = 2048,
+    context: ContextOpt = None,
+    runtime: RuntimeOpt = "vllm",
+    measured: MeasuredOpt = None,
+) -> None:
+    """One layer's time by component (weight GEMMs, attention, TP all-reduce, runtime overhead)
+    and what bounds it."""
+    r = _layer_result(model, node, phase, batch, tokens, context, runtime, measured)
+    if "components" not in r:
+        out.print(f"{model} on {r['node']}: {r['ms_per_layer']:.3f} ms per layer from a measured "
+                  "table, which has no components.")  # fmt: skip
+        return
+    table = Table(
+        title=f"{model} on {r['node']}, {r['phase']} size {r['size']}, context {r['context']:g}, "
+        f"TP {r['tp']}, runtime {runtime}"
+    )
+    for col in ("component", "ms per layer", "share", "bound by"):
+        table.add_column(col, justify="left" if col in ("component", "bound by") else "right")
+    sides = {"gemm_ms": r["gemm_bound"], "attention_ms": r["attention_bound"]}
+    for name, ms in r["components"].items():
+        share = ms / r["ms_per_layer"] if r["ms_per_layer"] else 0.0
+        table.add_row(name.removesuffix("_ms"), f"{ms:.4f}", f"{share:.0%}", sides.get(name, ""))
+    table.add_row("total", f"{r['ms_per_layer']:.4f}", "100%", "")
+    out.print(table)
+    out.print(f"Bound: [bold]{r['bound']}[/]. Per stage pass add {r['step_overhead_ms']:g} ms "
+              f"(the {runtime} runtime's per-step cost, once per stage, not per layer).")  # fmt: skip
+
+
+def _layer_result(
+    model: str,
+    node: str,
+    phase: str,
+    batch: int | None,
+    tokens: int | None,
+    context: float | None,
+    runtime: str,
+    measured: Path | None,
+) -> dict[str, Any]:
+    """The layer time and its components, as `layer-time --json` prints them."""
     from solver.errors import InputError
     from solver.performance.calibration import load_calibration
     from solver.performance.default_model import load_perf_model
@@ -48,25 +115,25 @@ def profile_layer_time(
         raise InputError(need, f"required for --phase {ph}", f"pass {need} N")
     cal = load_calibration()
     ctx = context or (cal.decode_context_tokens if ph == "decode" else cal.prefill_prompt_tokens)
-    pm = load_perf_model(measured)
-    lt = pm.layer_time(model, node, ph, size, ctx)
-    result = {
+    pm = load_perf_model(measured, runtime=runtime)
+    lt, parts = pm.layer_breakdown(model, node, ph, size, ctx)
+    result: dict[str, Any] = {
         "model": model,
         "node": pm.catalog.node(node).id,
         "phase": ph,
         "size": size,
         "context": ctx,
+        "runtime": runtime,
         "ms_per_layer": round(lt.ms, 6),
         "tp": lt.tp,
         "source": lt.source,
+        "step_overhead_ms": pm.step_overhead_ms(node, ph),
     }
-    if as_json:
-        print_json(result)
-    else:
-        out.print(
-            f"{model} on {result['node']} ({ph}, size {size}, context {ctx:g}): "
-            f"[bold]{lt.ms:.3f} ms[/] per layer (TP={lt.tp}, {lt.source})"
-        )
+    if parts is not None:
+        result["components"] = {k: round(v, 6) for k, v in parts.components().items()}
+        result |= {"gemm_bound": parts.gemm_bound, "attention_bound": parts.attention_bound}
+        result["bound"] = parts.bound()
+    return result
 
 
 def _phase(phase: str) -> Phase:
@@ -169,6 +236,7 @@ def profile_calibrate(
     from solver.io import data_path
     from solver.performance.calibration import (
         HELIX_SOURCE,
+        dump_calibration,
         error_table,
         fit,
         helix_data_dir,
@@ -187,8 +255,7 @@ def profile_calibrate(
     cal = fit(files, cards, cat, source=source, command=command) if write else load_calibration()
     if write:
         path = data_path("calibration.yaml")
-        header = "# Fitted efficiency factors of the performance model. Generated: do not edit.\n"
-        path.write_text(header + yaml.safe_dump(cal.model_dump(mode="json"), sort_keys=False))
+        path.write_text(dump_calibration(cal), encoding="utf-8")
         err.print(f"Wrote {path}")
     rows = error_table(files, cards, cat, cal)
     if as_json:

@@ -30,7 +30,8 @@ def calibration_markdown(
         "(add `--write` to refit `solver/data/calibration.yaml`, and `--measured DIR` to fit to "
         "`coral profile measure` tables as well).",
         "",
-        f"Data: {cal.data}. Fitted on {cal.fitted_on}, performance model v{cal.perf_model_version}.",
+        f"Data: {cal.helix_fit.data}. Fitted on {cal.helix_fit.fitted_on} under the "
+        f"`{cal.helix_fit.runtime}` runtime, performance model v{cal.perf_model_version}.",
         f"Fitted unknowns of the measurements: decode context {cal.decode_context_tokens:g} tokens, "
         f"prefill prompt length {cal.prefill_prompt_tokens:g} tokens.",
         "",
@@ -51,18 +52,54 @@ def calibration_markdown(
     for phase, target in targets:
         errs = all_abs_rel_errors(files, cards, catalog, cal, phase)
         lines.append(f"| {phase} | {len(errs)} | {statistics.median(errs):.1%} | <= {target} |")
+    return "\n".join([*lines, *_factor_lines(cal), *_runtime_lines(cal)]) + "\n"
+
+
+def _factor_lines(cal: CalibrationData) -> list[str]:
+    """Every GPU's factors and where they come from (own fit or derivation)."""
+    resolved = cal.calibration()
+    lines = [
+        "",
+        "GPU factors (fractions of the GPU's own datasheet peaks). A GPU without measurements "
+        "takes a measured chip's factors through a derivation named here; none uses a default:",
+        "",
+        "| GPU | decode mem | decode compute | prefill compute | from |",
+        "|---|---:|---:|---:|---|",
+    ]
+    for gpu, e in sorted(resolved.gpus.items()):
+        origin = "own fit" if gpu in cal.gpus else f"derived from {cal.derived[gpu].from_gpu}"
+        pending = " (pending Vidur fit)" if "pending" in resolved.origin[gpu] else ""
+        lines.append(
+            f"| {gpu} | {e.decode_mem:.3f} | {e.decode_compute:.3f} | {e.prefill_compute:.3f} "
+            f"| {origin}{pending} |"
+        )
+    return lines
+
+
+def _runtime_lines(cal: CalibrationData) -> list[str]:
+    """The runtimes' fixed costs: helix's fitted per GPU, the others' per layer and per step."""
+    helix = cal.runtimes["helix"]
+    lines = [
+        "",
+        "Runtime overheads (ms). `helix` (the runtime of the files above; fitted per GPU, per "
+        "layer, since each layer is its own engine step):",
+        "",
+        "| GPU | decode per layer | prefill per layer |",
+        "|---|---:|---:|",
+    ]
+    for gpu, o in sorted(helix.per_gpu.items()):
+        lines.append(f"| {gpu} | {o.decode_layer_ms:.3f} | {o.prefill_layer_ms:.3f} |")
     lines += [
         "",
-        "Fitted factors (fractions of datasheet peaks; overheads in ms per layer):",
-        "",
-        "| GPU | decode mem | decode compute | decode overhead | prefill compute | "
-        "prefill overhead |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| runtime | decode per layer | prefill per layer | decode per stage pass | "
+        "prefill per stage pass |",
+        "|---|---:|---:|---:|---:|",
     ]
-    for gpu, e in [*sorted(cal.gpus.items()), ("default (others)", cal.default)]:
+    for name, r in sorted(cal.runtimes.items()):
+        if r.decode_layer_ms is None or r.prefill_layer_ms is None:
+            continue
         lines.append(
-            f"| {gpu} | {e.decode_mem:.3f} | {e.decode_compute:.3f} | "
-            f"{e.decode_overhead_ms:.3f} | {e.prefill_compute:.3f} | "
-            f"{e.prefill_overhead_ms:.3f} |"
+            f"| {name} | {r.decode_layer_ms:g} | {r.prefill_layer_ms:g} | {r.decode_step_ms:g} "
+            f"| {r.prefill_step_ms:g} |"
         )
-    return "\n".join(lines) + "\n"
+    return lines

@@ -39,6 +39,12 @@ class GpuType(BaseModel):
     bf16: bool = Field(description="Whether the GPU has BF16 tensor cores.")
     intra_node_link: Literal["nvlink", "pcie"] = Field(description="GPU-to-GPU link in a node.")
     intra_node_bandwidth_gb_s: float = Field(gt=0, description="Per-GPU GPU-to-GPU GB/s.")
+    interconnect: str | None = Field(
+        default=None,
+        description="All-reduce model key of its multi-GPU nodes in calibration.yaml `allreduce` "
+        "(e.g. nvlink-h100, pcie-gen4); None: no multi-GPU node runs TP over it.",
+    )
+    interconnect_source: str = Field(default="", description="Where the interconnect is stated.")
     source: str = Field(description="Where the numbers come from.")
     retrieved: dt.date = Field(description="When the source was read.")
 

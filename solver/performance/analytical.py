@@ -1,17 +1,22 @@
 """Analytical performance model: time of one transformer layer on one node, per phase.
 
 Roofline with sequential kernels, per layer on a node running tensor parallelism (TP) over `tp` of
-its GPUs:
+its GPUs, split into the four components `coral profile explain` reports:
 
-    t = overhead + max(W / (bw*e_mem), F_gemm / (tf*e_cmp))      # weight GEMMs
-                 + max(KV / (bw*e_mem), F_attn / (tf*e_cmp))     # attention
-                 + 2 * allreduce(tokens * hidden * 2 bytes, tp)   # TP, two per layer
+    gemm      = max(W / (bw*e_mem), F_gemm / (tf*e_cmp))     # the layer's weight GEMMs
+    attention = max(KV / (bw*e_mem), F_attn / (tf*e_cmp))    # attention
+    comm      = 2 * allreduce(tokens * hidden * 2 bytes, tp)  # TP, two per layer
+    overhead  = the runtime's fixed cost per layer            # launch cost, scheduler (helix)
+    t = gemm + attention + comm + overhead
 
 W is the weight bytes the step reads (attention, router, and the experts the batch touches), F_gemm
 = 2 * tokens * active params, KV the cache bytes read (decode) and F_attn the attention FLOPs. All
 per GPU: divided by tp (KV by min(tp, kv_heads), since vLLM replicates KV heads when tp exceeds
-them). The efficiency factors e_* and the per-layer overhead are fitted per GPU type on measured
-data (`solver/calibration.py`, stored in `solver/data/calibration.yaml`).
+them). The efficiency factors e_* are a property of the GPU (fitted per GPU type, or derived from
+the nearest measured chip: `solver/data/calibration.yaml`). The fixed costs are a property of the
+serving runtime (`Runtime`): a per-layer cost and a per-step cost, the latter paid once per
+pipeline-stage pass (`PerfModel.stage_time_ms`), not per layer. The all-reduce is an alpha-beta
+model per interconnect and TP degree (`AllReduceFit`).
 
 A node may leave GPUs idle: the node's layer time is the best over the TP degrees it can run
 (divisors of its GPU count that vLLM accepts for the model's heads), so more GPUs per node never
@@ -20,28 +25,140 @@ make a layer slower.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from solver.catalog.model_cards import ModelCard
-from solver.catalog.offers import GpuType, NodeConfig
+from solver.catalog.offers import NodeConfig
+from solver.errors import InputError
 from solver.types import Phase
 
-PERF_MODEL_VERSION = "3"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
-# last stage of a pipeline pays no hop, and an aggregated replica runs one TP for both phases
+PERF_MODEL_VERSION = "4"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
+# last stage of a pipeline pays no hop, and an aggregated replica runs one TP for both phases;
+# 4: fixed costs belong to the runtime (vllm by default, helix for fitting Helix's files), a
+# per-step cost per stage pass, all-reduce per interconnect and TP, no GPU uses a generic default
+
+Bound = Literal["compute", "memory"]
 
 
 class Efficiency(BaseModel):
-    """Fitted fractions of datasheet peaks, and fixed per-layer cost, for one GPU type."""
+    """Fractions of datasheet peaks one GPU type reaches (a property of the chip)."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     decode_mem: float = Field(gt=0, le=1.2, description="Fraction of memory bandwidth (decode).")
     decode_compute: float = Field(gt=0, le=1.2, description="Fraction of peak TFLOPS (decode).")
-    decode_overhead_ms: float = Field(ge=0, description="Fixed cost per layer per decode step.")
     prefill_compute: float = Field(gt=0, le=1.2, description="Fraction of peak TFLOPS (prefill).")
-    prefill_overhead_ms: float = Field(ge=0, description="Fixed cost per layer per prefill step.")
+
+
+class Overheads(BaseModel):
+    """One runtime's fixed costs on one GPU type, ms: per layer and per stage pass, per phase."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    decode_layer_ms: float = Field(ge=0, description="Fixed cost per layer per decode step.")
+    prefill_layer_ms: float = Field(ge=0, description="Fixed cost per layer per prefill step.")
+    decode_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (decode).")
+    prefill_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (prefill).")
+
+    def layer_ms(self, phase: Phase) -> float:
+        return self.decode_layer_ms if phase == "decode" else self.prefill_layer_ms
+
+    def step_ms(self, phase: Phase) -> float:
+        return self.decode_step_ms if phase == "decode" else self.prefill_step_ms
+
+
+class LayerOverhead(BaseModel):
+    """A runtime's fixed cost per layer on one GPU type, ms (fitted, e.g. Helix's per GPU)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    decode_layer_ms: float = Field(ge=0, description="Fixed cost per layer per decode step.")
+    prefill_layer_ms: float = Field(ge=0, description="Fixed cost per layer per prefill step.")
+
+
+class Runtime(BaseModel):
+    """A serving runtime's fixed costs: per layer (the same on every GPU, or per GPU where
+    fitted per machine) and per stage pass, per phase; `sources` cites each number."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    description: str = Field(description="What runtime this models (engine, version, mode).")
+    decode_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (decode).")
+    prefill_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (prefill).")
+    decode_layer_ms: float | None = Field(default=None, ge=0, description="Per layer, any GPU.")
+    prefill_layer_ms: float | None = Field(default=None, ge=0, description="Per layer, any GPU.")
+    per_gpu: dict[str, LayerOverhead] = Field(
+        default_factory=dict, description="Per-layer costs fitted per GPU type (win over above)."
+    )
+    sources: dict[str, str] = Field(description="Where each number comes from.")
+
+    def overheads(self, name: str, gpu: str) -> Overheads:
+        """This runtime's fixed costs on GPU type `gpu`.
+
+        Raises:
+            InputError: the runtime has no per-layer cost for this GPU (helix: measured on
+                three GPUs only).
+        """
+        layer = self.per_gpu.get(gpu)
+        if layer is None:
+            if self.decode_layer_ms is None or self.prefill_layer_ms is None:
+                raise InputError(
+                    "runtime",
+                    f"runtime '{name}' has no per-layer overhead for GPU '{gpu}' (it has: "
+                    f"{', '.join(sorted(self.per_gpu))})",
+                    "use --runtime vllm, or a GPU the runtime was measured on",
+                )
+            layer = LayerOverhead(
+                decode_layer_ms=self.decode_layer_ms, prefill_layer_ms=self.prefill_layer_ms
+            )
+        return Overheads(
+            decode_layer_ms=layer.decode_layer_ms,
+            prefill_layer_ms=layer.prefill_layer_ms,
+            decode_step_ms=self.decode_step_ms,
+            prefill_step_ms=self.prefill_step_ms,
+        )
+
+
+class AllReduceFit(BaseModel):
+    """Alpha-beta all-reduce at one TP degree: t = latency + 2(tp-1)/tp * bytes / bus bandwidth
+    (nccl-tests' bus-bandwidth convention, so measured `busbw` plugs in directly)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    latency_ms: float = Field(ge=0, description="Small-message all-reduce time, ms.")
+    bus_bandwidth_gb_s: float = Field(gt=0, description="nccl-tests busbw at large messages, GB/s.")
+
+    def ms(self, nbytes: float, tp: int) -> float:
+        """One all-reduce of `nbytes` over `tp` GPUs, in ms."""
+        ring_bytes = 2 * (tp - 1) / tp * nbytes
+        return self.latency_ms + ring_bytes / (self.bus_bandwidth_gb_s * 1e9) * 1e3
+
+
+@dataclass(frozen=True)
+class NodeCosts:
+    """What the layer model needs beyond the card and the datasheet: the GPU's efficiency, the
+    runtime's overheads on it, and the node's all-reduce fits by TP degree (interconnect named)."""
+
+    eff: Efficiency
+    overheads: Overheads
+    interconnect: str | None = None
+    allreduce: Mapping[int, AllReduceFit] = field(default_factory=dict)
+
+    def allreduce_ms(self, node: str, tp: int, nbytes: float) -> float:
+        """One all-reduce on `node` at TP `tp` (0 at TP 1).
+
+        Raises:
+            InputError: TP > 1 on a node whose interconnect or TP degree has no all-reduce fit.
+        """
+        if tp == 1:
+            return 0.0
+        fit = self.allreduce.get(tp)
+        if fit is None:
+            raise InputError(
+                f"allreduce.{self.interconnect}.tp.{tp}",
+                f"no all-reduce fit for {node} (interconnect {self.interconnect}) at TP {tp}",
+                "add it to solver/data/calibration.yaml (and the GPU's interconnect to gpus.yaml)",
+            )
+        return fit.ms(nbytes, tp)
 
 
 class PerfSettings(BaseModel):
@@ -60,10 +177,6 @@ class PerfSettings(BaseModel):
     hop_latency_ms: float = Field(
         default=0.5, ge=0, description="Latency of one inter-node hop in a region (assumption)."
     )
-    allreduce_latency_ms: dict[str, float] = Field(
-        default_factory=lambda: {"nvlink": 0.01, "pcie": 0.025},
-        description="Fixed latency of one intra-node allreduce, by link type (assumption).",
-    )
     max_batch_tokens: int = Field(
         default=65536, gt=0, description="Largest prefill batch (tokens) or decode batch searched."
     )
@@ -76,6 +189,39 @@ class LayerTime:
     ms: float
     tp: int
     source: Literal["analytical", "measured"]
+
+
+@dataclass(frozen=True)
+class LayerBreakdown:
+    """One layer's time by component (ms) and which roofline side bounds each kernel group."""
+
+    gemm_ms: float
+    attention_ms: float
+    comm_ms: float
+    overhead_ms: float
+    gemm_bound: Bound
+    attention_bound: Bound
+
+    @property
+    def ms(self) -> float:
+        return self.gemm_ms + self.attention_ms + self.comm_ms + self.overhead_ms
+
+    def components(self) -> dict[str, float]:
+        return {
+            "gemm_ms": self.gemm_ms,
+            "attention_ms": self.attention_ms,
+            "comm_ms": self.comm_ms,
+            "overhead_ms": self.overhead_ms,
+        }
+
+    def bound(self) -> str:
+        """What bounds the layer: the largest component, with its roofline side for kernels."""
+        name = max(self.components().items(), key=lambda kv: kv[1])[0]
+        if name == "gemm_ms":
+            return f"{self.gemm_bound} (weight GEMMs)"
+        if name == "attention_ms":
+            return f"{self.attention_bound} (attention)"
+        return "communication" if name == "comm_ms" else "overhead"
 
 
 def valid_tp_degrees(card: ModelCard, gpu_count: int) -> list[int]:
@@ -98,85 +244,74 @@ def experts_touched(card: ModelCard, tokens: float) -> float:
     return card.experts * (1.0 - miss)
 
 
-def _allreduce_ms(gpu: GpuType, tp: int, nbytes: float, latency_ms: dict[str, float]) -> float:
-    if tp == 1:
-        return 0.0
-    per_direction_gb_s = gpu.intra_node_bandwidth_gb_s / 2
-    ring_bytes = 2 * (tp - 1) / tp * nbytes
-    return latency_ms[gpu.intra_node_link] + ring_bytes / (per_direction_gb_s * 1e9) * 1e3
-
-
 def _weights_read_bytes(card: ModelCard, tokens: float) -> float:
     dense = (card.attention_params + card.router_params) * card.weight_bytes_per_param
     experts = experts_touched(card, tokens) * card.expert_params * card.expert_bytes_per_param
     return dense + experts
 
 
-def decode_layer_ms(
+def _roofline(nbytes: float, bw: float, flops: float, peak: float) -> tuple[float, Bound]:
+    """Seconds of a kernel group, and the side of max(memory, compute) that won."""
+    t_mem, t_cmp = nbytes / bw, flops / peak
+    return (t_cmp, "compute") if t_cmp > t_mem else (t_mem, "memory")
+
+
+def layer_breakdown(
     card: ModelCard,
-    gpu: GpuType,
-    eff: Efficiency,
+    node: NodeConfig,
+    costs: NodeCosts,
     tp: int,
-    batch: float,
+    phase: Phase,
+    size: float,
     context: float,
-    settings: PerfSettings,
-) -> float:
-    """One decode step of `batch` sequences at `context` tokens through one layer, in ms."""
-    bw = gpu.memory_bandwidth_gb_s * 1e9 * eff.decode_mem
-    flops = gpu.dense_tflops * 1e12 * eff.decode_compute
-    held = card.kv_tokens_held(context)
-    t_gemm = max(
-        _weights_read_bytes(card, batch) / tp / bw,
-        2 * batch * card.active_params_per_layer / tp / flops,
-    )
-    kv_bytes = batch * held * card.kv_bytes_per_token_per_layer / min(tp, card.kv_heads)
-    attn_flops = 4 * batch * held * card.attention_heads * card.head_dim / tp
-    t_attn = max(kv_bytes / bw, attn_flops / flops)
-    comm = 2 * _allreduce_ms(gpu, tp, batch * card.hidden_size * 2, settings.allreduce_latency_ms)
-    return eff.decode_overhead_ms + (t_gemm + t_attn) * 1e3 + comm
+) -> LayerBreakdown:
+    """One layer's components. `size` is the decode batch (sequences at `context` tokens) or the
+    prefill token count (prompts of `context` tokens).
 
+    Causal prefill: a token at position i attends to i earlier tokens, so on average a prompt's
+    tokens attend to half its (window-limited) length: F_attn = 2 * tokens * held * heads * hd;
+    decode reads every held token: F_attn = 4 * batch * held * heads * hd.
 
-def prefill_layer_ms(
-    card: ModelCard,
-    gpu: GpuType,
-    eff: Efficiency,
-    tp: int,
-    tokens: float,
-    prompt_tokens: float,
-    settings: PerfSettings,
-) -> float:
-    """Prefill of a batch of `tokens` prompt tokens (prompts of `prompt_tokens`) through one layer.
-
-    Causal attention: a token at position i attends to i earlier tokens, so on average a prompt's
-    tokens attend to half its (window-limited) length: F_attn = 2 * tokens * held * heads * hd.
+    Raises:
+        InputError: TP > 1 on a node without an all-reduce fit (see `NodeCosts.allreduce_ms`).
     """
+    gpu, eff = node.gpu, costs.eff
     bw = gpu.memory_bandwidth_gb_s * 1e9 * eff.decode_mem
-    flops = gpu.dense_tflops * 1e12 * eff.prefill_compute
-    held = card.kv_tokens_held(prompt_tokens)
-    t_gemm = max(
-        _weights_read_bytes(card, tokens) / tp / bw,
-        2 * tokens * card.active_params_per_layer / tp / flops,
+    cmp = eff.decode_compute if phase == "decode" else eff.prefill_compute
+    peak = gpu.dense_tflops * 1e12 * cmp
+    held = card.kv_tokens_held(context)
+    t_gemm, gemm_bound = _roofline(
+        _weights_read_bytes(card, size) / tp, bw, 2 * size * card.active_params_per_layer / tp, peak
     )
-    t_attn = 2 * tokens * held * card.attention_heads * card.head_dim / tp / flops
-    comm = 2 * _allreduce_ms(gpu, tp, tokens * card.hidden_size * 2, settings.allreduce_latency_ms)
-    return eff.prefill_overhead_ms + (t_gemm + t_attn) * 1e3 + comm
+    if phase == "decode":
+        kv_bytes = size * held * card.kv_bytes_per_token_per_layer / min(tp, card.kv_heads)
+        attn_flops = 4 * size * held * card.attention_heads * card.head_dim / tp
+        t_attn, attn_bound = _roofline(kv_bytes, bw, attn_flops, peak)
+    else:
+        t_attn = 2 * size * held * card.attention_heads * card.head_dim / tp / peak
+        attn_bound = "compute"
+    comm = 2 * costs.allreduce_ms(node.id, tp, size * card.hidden_size * 2)
+    return LayerBreakdown(
+        gemm_ms=t_gemm * 1e3,
+        attention_ms=t_attn * 1e3,
+        comm_ms=comm,
+        overhead_ms=costs.overheads.layer_ms(phase),
+        gemm_bound=gemm_bound,
+        attention_bound=attn_bound,
+    )
 
 
 def analytical_layer_ms(
     card: ModelCard,
     node: NodeConfig,
-    eff: Efficiency,
+    costs: NodeCosts,
     tp: int,
     phase: Phase,
     size: float,
     context: float,
-    settings: PerfSettings,
 ) -> float:
-    """Dispatch on phase: `size` is the decode batch or the prefill token count; `context` is
-    the decode context or the prefill prompt length."""
-    if phase == "decode":
-        return decode_layer_ms(card, node.gpu, eff, tp, size, context, settings)
-    return prefill_layer_ms(card, node.gpu, eff, tp, size, context, settings)
+    """ms per layer: the sum of `layer_breakdown`'s components (per layer, no per-step cost)."""
+    return layer_breakdown(card, node, costs, tp, phase, size, context).ms
 
 
 def hop_ms(card: ModelCard, tokens: float, network_gbps: float, settings: PerfSettings) -> float:

@@ -1,24 +1,26 @@
-"""Fit the performance model's efficiency factors to measured per-layer timings.
+"""Fit the performance model's efficiency factors to measured per-layer timings; load the data file.
 
 Data: the Helix artifact's per-layer CSVs (vendored in `solver/data/calibration/helix/` with their
 Apache-2.0 licence and source): prefill and decode of Llama-2-70B and LLaMA-1-30B on single
-A100-40GB, L4 and T4 GPUs. Fitted per GPU type: decode memory and compute efficiency, prefill
-compute efficiency and a per-layer overhead for each phase. Fitted once for all files: the decode
-context and the prefill prompt length Helix's profiler used, which its files do not record. The
-fit minimises squared log error (relative error) with scipy's bounded least squares; the median of
-the fitted GPUs' factors is the default for GPU types with no measurements (H100, L40S, A10G,
-V100, A100-80GB), which is an extrapolation and is reported as such.
+A100-40GB, L4 and T4 GPUs, measured under Helix's own runtime (vLLM 0.4 in eager mode, one engine
+step per layer). Fitted per GPU type: decode memory and compute efficiency and prefill compute
+efficiency (properties of the GPU), and the `helix` runtime's per-layer overhead for each phase
+(a property of that runtime on that machine: host and eager launch cost differ by machine). Fitted
+once for all files: the decode context and the prefill prompt length Helix's profiler used, which
+its files do not record. The fit minimises squared log error (relative error) with scipy's bounded
+least squares. GPU types without measurements get a measured chip's factors through an explicit,
+documented derivation in the data file (`derived`), never a generic default.
 """
 
 from __future__ import annotations
 
 import datetime as dt
-import statistics
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
 import numpy as np
+import yaml
 from pydantic import BaseModel, ConfigDict, Field
 from scipy.optimize import least_squares
 
@@ -28,8 +30,12 @@ from solver.errors import InputError
 from solver.io import data_path, load_yaml_model, read_two_column_csv
 from solver.performance.analytical import (
     PERF_MODEL_VERSION,
+    AllReduceFit,
     Efficiency,
-    PerfSettings,
+    LayerOverhead,
+    NodeCosts,
+    Overheads,
+    Runtime,
     analytical_layer_ms,
 )
 from solver.performance.perf_model import Calibration
@@ -120,109 +126,244 @@ def load_profiler_dir(directory: Path, catalog: Catalog) -> list[CalibrationFile
     return out
 
 
-class CalibrationData(BaseModel):
-    """`solver/data/calibration.yaml`: fitted factors and the fit's provenance."""
+class GpuFactors(Efficiency):
+    """A GPU type's own fitted factors, with the measurements they come from."""
+
+    source: str = Field(description="The fit and the data it used.")
+
+
+class Derivation(BaseModel):
+    """An unmeasured GPU takes a measured chip's factors, as fractions of its OWN peaks."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    from_gpu: str = Field(alias="from", description="The measured (or derived) GPU type.")
+    why: str = Field(description="Why that chip: architecture / chip family.")
+    source: str = Field(description="Provenance; 'pending Vidur fit' marks a placeholder.")
+
+
+class Interconnect(BaseModel):
+    """All-reduce fits of one interconnect, per TP degree."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    schema_version: Literal[1]
-    perf_model_version: str
+    source: str = Field(description="Measurements behind the numbers, or 'pending Vidur fit'.")
+    note: str = Field(default="", description="Uncertainty and derivations.")
+    tp: dict[int, AllReduceFit] = Field(description="Per TP degree (2, 4, 8).")
+
+
+class HelixFit(BaseModel):
+    """Provenance of the Helix fit: what `coral profile calibrate --write` regenerates."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
     fitted_on: dt.date
-    command: str = Field(description="Command that regenerates this file.")
+    command: str = Field(description="Command that regenerates the fitted sections.")
     data: str = Field(description="Measurements the fit used, with licence.")
+    runtime: Literal["helix"] = Field(description="The runtime the files were measured under.")
     decode_context_tokens: float = Field(gt=0, description="Fitted context of Helix's decode runs.")
     prefill_prompt_tokens: float = Field(gt=0, description="Fitted prompt length of its prefill.")
-    gpus: dict[str, Efficiency]
-    default: Efficiency = Field(description="Median of the fitted GPUs: for unmeasured GPU types.")
     fit_median_abs_rel_error: dict[str, float] = Field(description="Per file, at fit time.")
 
-    def calibration(self) -> Calibration:
-        return Calibration(self.gpus, self.default, f"{self.data}; fitted {self.fitted_on}")
+
+class CalibrationData(BaseModel):
+    """`solver/data/calibration.yaml`: GPU factors (own or derived), runtimes, all-reduce fits.
+
+    `coral profile calibrate --write` rewrites `helix_fit`, the fitted GPUs' entries in `gpus`
+    and `runtimes.helix.per_gpu`; it keeps everything else (derivations, the vllm runtime, the
+    all-reduce fits, factors fitted elsewhere such as Vidur's).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    schema_version: Literal[2]
+    perf_model_version: str
+    helix_fit: HelixFit
+    gpus: dict[str, GpuFactors] = Field(description="GPU types with their own measurements.")
+    derived: dict[str, Derivation] = Field(description="GPU types without: nearest measured.")
+    runtimes: dict[str, Runtime]
+    allreduce: dict[str, Interconnect] = Field(description="Keyed by gpus.yaml `interconnect`.")
+
+    @property
+    def decode_context_tokens(self) -> float:
+        return self.helix_fit.decode_context_tokens
+
+    @property
+    def prefill_prompt_tokens(self) -> float:
+        return self.helix_fit.prefill_prompt_tokens
+
+    @property
+    def fit_median_abs_rel_error(self) -> dict[str, float]:
+        return self.helix_fit.fit_median_abs_rel_error
+
+    def resolve(self, gpu: str, seen: tuple[str, ...] = ()) -> tuple[Efficiency, str]:
+        """The GPU's factors and where they come from (its own fit, or a derivation chain).
+
+        Raises:
+            InputError: a derivation whose source has no factors, a cycle, or an unknown GPU.
+        """
+        if gpu in self.gpus:
+            own = self.gpus[gpu]
+            return Efficiency(**own.model_dump(include=set(EFF_FIELDS))), own.source
+        if gpu not in self.derived or gpu in seen:
+            chain = " <- ".join((*seen, gpu))
+            raise InputError(
+                f"derived.{seen[-1]}.from" if seen else f"gpus.{gpu}",
+                f"GPU '{seen[0] if seen else gpu}' derives its factors from '{gpu}', which has "
+                f"no factors ({chain})"
+                if seen
+                else f"GPU '{gpu}' has no factors and no derivation",
+                "add the source GPU's factors under gpus: in solver/data/calibration.yaml, or "
+                "derive from a measured GPU",
+            )
+        d = self.derived[gpu]
+        eff, origin = self.resolve(d.from_gpu, (*seen, gpu))
+        return eff, f"derived from {d.from_gpu} ({d.why}; {d.source}) <- {origin}"
+
+    def calibration(self, gpu_ids: list[str] | None = None) -> Calibration:
+        """Resolve every GPU (those of `gpu_ids` too, so a GPU without factors fails here)."""
+        names = sorted({*self.gpus, *self.derived, *(gpu_ids or [])})
+        resolved = {g: self.resolve(g) for g in names}
+        return Calibration(
+            gpus={g: eff for g, (eff, _) in resolved.items()},
+            origin={g: origin for g, (_, origin) in resolved.items()},
+            runtimes=dict(self.runtimes),
+            allreduce={k: dict(v.tp) for k, v in self.allreduce.items()},
+            provenance=f"{self.helix_fit.data}; fitted {self.helix_fit.fitted_on}",
+        )
+
+
+CALIBRATION_HEADER = (
+    "# Calibration of the performance model (solver/performance/calibration.py: CalibrationData)."
+    "\n# `coral profile calibrate --write` regenerates helix_fit, the Helix-fitted GPUs under "
+    "gpus: and\n# runtimes.helix.per_gpu, and keeps the rest (derived, runtimes.vllm, allreduce, "
+    "factors fitted\n# elsewhere). Every number names its source; 'pending Vidur fit' marks "
+    "placeholders.\n"
+)
+
+
+def dump_calibration(data: CalibrationData) -> str:
+    """The data file's text: the header, then the YAML (aliases as written, e.g. `from`)."""
+    body = yaml.safe_dump(data.model_dump(mode="json", by_alias=True), sort_keys=False, width=100)
+    return CALIBRATION_HEADER + body
 
 
 def load_calibration(path: Path | None = None) -> CalibrationData:
+    """The calibration data file (default: the shipped `solver/data/calibration.yaml`)."""
     return load_yaml_model(CalibrationData, path or data_path("calibration.yaml"))
+
+
+def helix_costs(eff: Efficiency, layer: LayerOverhead) -> NodeCosts:
+    """Costs of a one-GPU node under the helix runtime (no per-step cost: each layer is a step)."""
+    overheads = Overheads(
+        decode_layer_ms=layer.decode_layer_ms,
+        prefill_layer_ms=layer.prefill_layer_ms,
+        decode_step_ms=0.0,
+        prefill_step_ms=0.0,
+    )
+    return NodeCosts(eff=eff, overheads=overheads)
 
 
 def predict_ms(
     card: ModelCard,
     catalog: Catalog,
-    eff: Efficiency,
+    costs: NodeCosts,
     f: CalibrationFile,
     decode_ctx: float,
     prompt_len: float,
-    settings: PerfSettings,
 ) -> np.ndarray:
+    """The model's ms per layer at each of the file's sizes, on one GPU (TP 1)."""
     node = catalog.node(f"{f.gpu}x1")
     ctx = f.context if f.context is not None else decode_ctx if f.phase == "decode" else prompt_len
     return np.array(
-        [analytical_layer_ms(card, node, eff, 1, f.phase, x, ctx, settings) for x, _ in f.points]
+        [analytical_layer_ms(card, node, costs, 1, f.phase, x, ctx) for x, _ in f.points]
     )
 
 
-def _unpack(theta: np.ndarray, gpus: list[str]) -> tuple[dict[str, Efficiency], float, float]:
-    n = len(EFF_FIELDS)
-    effs = {
-        g: Efficiency(**dict(zip(EFF_FIELDS, theta[i * n : (i + 1) * n], strict=True)))
-        for i, g in enumerate(gpus)
-    }
-    return effs, float(theta[-2]), float(theta[-1])
+FIT_FIELDS = [*EFF_FIELDS, "decode_layer_ms", "prefill_layer_ms"]
+
+
+def _unpack(
+    theta: np.ndarray, gpus: list[str]
+) -> tuple[dict[str, tuple[Efficiency, LayerOverhead]], float, float]:
+    n = len(FIT_FIELDS)
+    out = {}
+    for i, g in enumerate(gpus):
+        v = dict(zip(FIT_FIELDS, theta[i * n : (i + 1) * n], strict=True))
+        eff = Efficiency(**{k: v[k] for k in EFF_FIELDS})
+        out[g] = (eff, LayerOverhead(decode_layer_ms=v["decode_layer_ms"],
+                                     prefill_layer_ms=v["prefill_layer_ms"]))  # fmt: skip
+    return out, float(theta[-2]), float(theta[-1])
 
 
 def fit(
     files: list[CalibrationFile],
     cards: dict[str, ModelCard],
     catalog: Catalog,
-    settings: PerfSettings | None = None,
+    base: CalibrationData | None = None,
     source: str = HELIX_SOURCE,
     command: str = "coral profile calibrate --write",
 ) -> CalibrationData:
-    """Fit efficiencies per GPU and the two shared unknowns; returns the data file's content."""
-    settings = settings or PerfSettings()
+    """Fit efficiencies and the helix runtime's per-layer overheads per GPU, and the two shared
+    unknowns, under the helix runtime; returns `base` (default: the shipped file) with the
+    fitted sections replaced and everything else kept."""
+    base = base or load_calibration()
     gpus = sorted({f.gpu for f in files})
-    # Order matches Efficiency's fields: decode_mem, decode_compute, decode_overhead_ms,
-    # prefill_compute, prefill_overhead_ms; then decode context and prefill prompt length.
-    x0 = np.array([0.7, 0.5, 0.1, 0.5, 0.1] * len(gpus) + [1024.0, 1024.0])
-    lo = np.array([0.05, 0.05, 0.0, 0.05, 0.0] * len(gpus) + [64.0, 64.0])
-    hi = np.array([1.0, 1.0, 5.0, 1.0, 5.0] * len(gpus) + [8192.0, 8192.0])
+    # Per GPU, in FIT_FIELDS order: decode_mem, decode_compute, prefill_compute, decode and
+    # prefill overhead per layer (helix runtime); then decode context and prefill prompt length.
+    x0 = np.array([0.7, 0.5, 0.5, 0.1, 0.1] * len(gpus) + [1024.0, 1024.0])
+    lo = np.array([0.05, 0.05, 0.05, 0.0, 0.0] * len(gpus) + [64.0, 64.0])
+    hi = np.array([1.0, 1.0, 1.0, 5.0, 5.0] * len(gpus) + [8192.0, 8192.0])
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        effs, ctx, plen = _unpack(theta, gpus)
+        fitted, ctx, plen = _unpack(theta, gpus)
         res = []
         for f in files:
-            pred = predict_ms(cards[f.model], catalog, effs[f.gpu], f, ctx, plen, settings)
-            meas = np.array([ms for _, ms in f.points])
-            res.append(np.log(pred / meas))
+            costs = helix_costs(*fitted[f.gpu])
+            pred = predict_ms(cards[f.model], catalog, costs, f, ctx, plen)
+            res.append(np.log(pred / np.array([ms for _, ms in f.points])))
         return np.concatenate(res)
 
     sol = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
-    effs, ctx, plen = _unpack(sol.x, gpus)
-    effs = {g: _rounded(e) for g, e in effs.items()}
-    default = _rounded(
-        Efficiency(
-            **{k: statistics.median(getattr(e, k) for e in effs.values()) for k in EFF_FIELDS}
-        )
-    )
-    data = CalibrationData(
-        schema_version=1,
-        perf_model_version=PERF_MODEL_VERSION,
-        fitted_on=dt.date.today(),
-        command=command,
-        data=source,
-        decode_context_tokens=round(ctx, 1),
-        prefill_prompt_tokens=round(plen, 1),
-        gpus=effs,
-        default=default,
-        fit_median_abs_rel_error={},
-    )
+    fitted, ctx, plen = _unpack(sol.x, gpus)
+    data = _with_fit(base, fitted, ctx, plen, source, command, {})
     errors = {
-        r.name: round(r.median_abs_rel_error, 4)
-        for r in error_table(files, cards, catalog, data, settings)
+        r.name: round(r.median_abs_rel_error, 4) for r in error_table(files, cards, catalog, data)
     }
-    return data.model_copy(update={"fit_median_abs_rel_error": errors})
+    return _with_fit(base, fitted, ctx, plen, source, command, errors)
 
 
-def _rounded(e: Efficiency) -> Efficiency:
-    return Efficiency(**{k: round(getattr(e, k), 4) for k in EFF_FIELDS})
+def _r4(m: BaseModel) -> dict[str, float]:
+    return {k: round(v, 4) for k, v in m.model_dump().items()}
+
+
+def _with_fit(
+    base: CalibrationData,
+    fitted: dict[str, tuple[Efficiency, LayerOverhead]],
+    ctx: float,
+    plen: float,
+    source: str,
+    command: str,
+    errors: dict[str, float],
+) -> CalibrationData:
+    gpus = dict(base.gpus) | {
+        g: GpuFactors(**_r4(eff), source=f"fit: {source}") for g, (eff, _) in fitted.items()
+    }
+    helix = base.runtimes["helix"]
+    per_gpu = dict(helix.per_gpu) | {g: LayerOverhead(**_r4(lay)) for g, (_, lay) in fitted.items()}
+    return base.model_copy(
+        update={
+            "perf_model_version": PERF_MODEL_VERSION,
+            "helix_fit": HelixFit(
+                fitted_on=dt.date.today(),
+                command=command,
+                data=source,
+                runtime="helix",
+                decode_context_tokens=round(ctx, 1),
+                prefill_prompt_tokens=round(plen, 1),
+                fit_median_abs_rel_error=errors,
+            ),
+            "gpus": dict(sorted(gpus.items())),
+            "derived": {g: d for g, d in base.derived.items() if g not in fitted},
+            "runtimes": base.runtimes | {"helix": helix.model_copy(update={"per_gpu": per_gpu})},
+        }
+    )
 
 
 @dataclass(frozen=True)
@@ -234,27 +375,33 @@ class FileError:
     max_abs_rel_error: float
 
 
+def _file_pred(
+    f: CalibrationFile, cards: dict[str, ModelCard], catalog: Catalog, data: CalibrationData
+) -> np.ndarray:
+    """The stored factors' prediction for one file, under the runtime it was measured with."""
+    cal = data.calibration()
+    layer = data.runtimes["helix"].overheads("helix", f.gpu)
+    costs = helix_costs(
+        cal.for_gpu(f.gpu),
+        LayerOverhead(decode_layer_ms=layer.decode_layer_ms,
+                      prefill_layer_ms=layer.prefill_layer_ms),
+    )  # fmt: skip
+    return predict_ms(
+        cards[f.model], catalog, costs, f, data.decode_context_tokens, data.prefill_prompt_tokens
+    )
+
+
 def error_table(
     files: list[CalibrationFile],
     cards: dict[str, ModelCard],
     catalog: Catalog,
     data: CalibrationData,
-    settings: PerfSettings | None = None,
 ) -> list[FileError]:
-    """Per-file |predicted - measured| / measured over every point, with the stored factors."""
-    settings = settings or PerfSettings()
+    """Per-file |predicted - measured| / measured over every point, with the stored factors
+    under the helix runtime (the one the files were measured with)."""
     rows = []
     for f in files:
-        eff = data.gpus.get(f.gpu, data.default)
-        pred = predict_ms(
-            cards[f.model],
-            catalog,
-            eff,
-            f,
-            data.decode_context_tokens,
-            data.prefill_prompt_tokens,
-            settings,
-        )
+        pred = _file_pred(f, cards, catalog, data)
         meas = np.array([ms for _, ms in f.points])
         rel = np.abs(pred - meas) / meas
         rows.append(FileError(f.name, f.phase, len(rel), float(np.median(rel)), float(rel.max())))
@@ -267,23 +414,12 @@ def all_abs_rel_errors(
     catalog: Catalog,
     data: CalibrationData,
     phase: Phase,
-    settings: PerfSettings | None = None,
 ) -> list[float]:
     """Every point's relative error for one phase (the issue's pooled median check)."""
-    settings = settings or PerfSettings()
     out: list[float] = []
     for f in files:
         if f.phase != phase:
             continue
-        eff = data.gpus.get(f.gpu, data.default)
-        pred = predict_ms(
-            cards[f.model],
-            catalog,
-            eff,
-            f,
-            data.decode_context_tokens,
-            data.prefill_prompt_tokens,
-            settings,
-        )
+        pred = _file_pred(f, cards, catalog, data)
         out.extend(abs(p - m) / m for p, (_, m) in zip(pred, f.points, strict=True))
     return out

@@ -10,7 +10,7 @@ from solver.catalog.offers import Catalog, load_catalog
 from solver.performance.analytical import PerfSettings
 from solver.performance.calibration import load_calibration
 from solver.performance.measured_tables import MeasuredTables, load_measured_dir
-from solver.performance.perf_model import PerfModel
+from solver.performance.perf_model import DEFAULT_RUNTIME, PerfModel
 
 MEASURED_DIR_ENV = "CORAL_MEASURED_DIR"
 
@@ -19,19 +19,34 @@ def load_perf_model(
     measured_dir: Path | None = None,
     catalog: Catalog | None = None,
     settings: PerfSettings | None = None,
+    runtime: str = DEFAULT_RUNTIME,
 ) -> PerfModel:
     """The shipped catalog, model cards and calibration; measured tables win where present.
 
     Args:
         measured_dir: folder of measured tables; default $CORAL_MEASURED_DIR when set, so every
             command (plan, bench, library builds) uses the same measurements.
+        catalog: the catalog (default: the shipped one).
+        settings: model settings (default: `PerfSettings()`).
+        runtime: the serving runtime whose fixed costs apply: `vllm` (default; every plan,
+            template and simulation) or `helix` (Helix's files; A100-40GB, L4 and T4 only).
+
+    Returns:
+        The performance model.
+
+    Raises:
+        InputError: an unknown runtime, or a catalog GPU without factors or a derivation.
     """
     if measured_dir is None and os.environ.get(MEASURED_DIR_ENV):
         measured_dir = Path(os.environ[MEASURED_DIR_ENV])
+    catalog = catalog or load_catalog()
+    calibration = load_calibration().calibration(list(catalog.gpus))
+    calibration.runtime(runtime)  # an unknown name fails here, not at the first layer time
     return PerfModel(
-        catalog=catalog or load_catalog(),
+        catalog=catalog,
         cards=load_model_cards(),
-        calibration=load_calibration().calibration(),
+        calibration=calibration,
         settings=settings or PerfSettings(),
         measured=load_measured_dir(measured_dir) if measured_dir else MeasuredTables(),
+        runtime=runtime,
     )

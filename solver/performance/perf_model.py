@@ -13,13 +13,17 @@ from dataclasses import dataclass, field
 
 from solver.catalog.model_cards import ModelCard, ModelId, get_card
 from solver.catalog.offers import Catalog, NodeConfig
-from solver.errors import InputError
+from solver.errors import InputError, unknown_value
 from solver.performance.analytical import (
+    AllReduceFit,
     Efficiency,
+    LayerBreakdown,
     LayerTime,
+    NodeCosts,
     PerfSettings,
-    analytical_layer_ms,
+    Runtime,
     hop_ms,
+    layer_breakdown,
     valid_tp_degrees,
 )
 from solver.performance.measured_tables import MeasuredTables
@@ -29,16 +33,55 @@ GB = 1e9
 LAYER_MEMO_MAX = 1 << 17  # memoised layer times kept per PerfModel (cleared when full)
 
 
+DEFAULT_RUNTIME = "vllm"
+
+
 @dataclass(frozen=True)
 class Calibration:
-    """Fitted efficiencies per GPU type, a default for GPUs without measurements, provenance."""
+    """Resolved calibration: efficiency per GPU type (its own fit or a documented derivation,
+    `origin` says which), the runtimes' fixed costs and all-reduce fits per interconnect."""
 
     gpus: dict[str, Efficiency]
-    default: Efficiency
+    origin: dict[str, str]
+    runtimes: dict[str, Runtime]
+    allreduce: dict[str, dict[int, AllReduceFit]]
     provenance: str = ""
 
     def for_gpu(self, gpu_id: str) -> Efficiency:
-        return self.gpus.get(gpu_id, self.default)
+        """The GPU's factors.
+
+        Raises:
+            InputError: the GPU has neither its own factors nor a derivation.
+        """
+        eff = self.gpus.get(gpu_id)
+        if eff is None:
+            raise InputError(
+                f"gpus.{gpu_id}",
+                f"GPU '{gpu_id}' has no efficiency factors and no derivation",
+                "add its factors under gpus: or a derivation under derived: in "
+                "solver/data/calibration.yaml",
+            )
+        return eff
+
+    def runtime(self, name: str) -> Runtime:
+        """A runtime by name.
+
+        Raises:
+            InputError: no such runtime in the data file.
+        """
+        if name not in self.runtimes:
+            raise unknown_value("runtime", name, self.runtimes, "runtime")
+        return self.runtimes[name]
+
+    def costs(self, cfg: NodeConfig, runtime: str) -> NodeCosts:
+        """Everything the layer model needs for `cfg` under `runtime`."""
+        link = cfg.gpu.interconnect
+        return NodeCosts(
+            eff=self.for_gpu(cfg.gpu_id),
+            overheads=self.runtime(runtime).overheads(runtime, cfg.gpu_id),
+            interconnect=link,
+            allreduce=self.allreduce.get(link, {}) if link else {},
+        )
 
 
 @dataclass(frozen=True)
@@ -64,9 +107,13 @@ class PerfModel:
     calibration: Calibration
     settings: PerfSettings = field(default_factory=PerfSettings)
     measured: MeasuredTables = field(default_factory=MeasuredTables)
+    runtime: str = DEFAULT_RUNTIME
     # ms per layer by (model, node, TP, phase, size, context): the profile table's binary
     # searches revisit the same sizes across layer counts, budgets and with or without a hop.
     _layer_memo: dict[tuple[str, str, int, str, float, float], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    _step_memo: dict[tuple[str, str], float] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
 
@@ -112,9 +159,38 @@ class PerfModel:
     def _analytical(
         self, card: ModelCard, cfg: NodeConfig, tp: int, phase: Phase, size: float, ctx: float
     ) -> LayerTime:
-        eff = self.calibration.for_gpu(cfg.gpu_id)
-        ms = analytical_layer_ms(card, cfg, eff, tp, phase, size, ctx, self.settings)
+        ms = self._breakdown(card, cfg, tp, phase, size, ctx).ms
         return LayerTime(ms, tp, "analytical")
+
+    def _breakdown(
+        self, card: ModelCard, cfg: NodeConfig, tp: int, phase: Phase, size: float, ctx: float
+    ) -> LayerBreakdown:
+        costs = self.calibration.costs(cfg, self.runtime)
+        return layer_breakdown(card, cfg, costs, tp, phase, size, ctx)
+
+    def layer_breakdown(
+        self, model: ModelId, node: str, phase: Phase, size: float, context: float
+    ) -> tuple[LayerTime, LayerBreakdown | None]:
+        """`layer_time` and, when the analytical model produced it, its components at that TP
+        (None for a measured table, which has no components).
+
+        Raises:
+            InputError: as `layer_time`.
+        """
+        lt = self.layer_time(model, node, phase, size, context)
+        if lt.source == "measured":
+            return lt, None
+        cfg = self.catalog.node(node)
+        return lt, self._breakdown(self.card(model), cfg, lt.tp, phase, size, context)
+
+    def step_overhead_ms(self, node: str, phase: Phase) -> float:
+        """The runtime's fixed cost per pipeline-stage pass on `node` (once, not per layer)."""
+        cfg = self.catalog.node(node)
+        key = (cfg.gpu_id, phase)
+        if key not in self._step_memo:
+            runtime = self.calibration.runtime(self.runtime)
+            self._step_memo[key] = runtime.overheads(self.runtime, cfg.gpu_id).step_ms(phase)
+        return self._step_memo[key]
 
     def kv_capacity_tokens(self, card: ModelCard, cfg: NodeConfig, tp: int, layers: int) -> int:
         """KV tokens that fit beside `layers` layers on `tp` GPUs of the node (0 if none).
@@ -255,7 +331,9 @@ class PerfModel:
         layers: int,
         hop: bool,
     ) -> float:
-        """One pipeline stage: `layers` layers at TP `tp` on `node`, plus its outgoing hop.
+        """One pipeline stage: `layers` layers at TP `tp` on `node`, the runtime's per-step cost
+        (once per stage pass, measured tables included: they time layers, not steps), plus its
+        outgoing hop.
 
         `size` is the decode batch or prefill token count; `context` the decode context or the
         prompt length; `hop` whether the stage sends its activations to a next stage (every
@@ -264,7 +342,9 @@ class PerfModel:
         """
         card, cfg = self.card(model), self.catalog.node(node)
         layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
-        return layers * layer + (hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0)
+        step = self.step_overhead_ms(cfg.id, phase)
+        hop_cost = hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0.0
+        return layers * layer + step + hop_cost
 
     def _layer_ms(
         self,

@@ -89,7 +89,12 @@ def input_hashes(
                 "calibration": {
                     g: e.model_dump() for g, e in sorted(perf.calibration.gpus.items())
                 },
-                "default": perf.calibration.default.model_dump(),
+                "runtime": perf.calibration.runtime(perf.runtime).model_dump()
+                | {"name": perf.runtime},
+                "allreduce": {
+                    k: {t: f.model_dump() for t, f in v.items()}
+                    for k, v in sorted(perf.calibration.allreduce.items())
+                },
                 # The parsed points, not only the keys: a re-measured table must mark it stale.
                 "measured": {
                     "/".join(key): {"x": list(t.x), "ms": list(t.ms)}

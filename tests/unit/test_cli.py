@@ -53,6 +53,8 @@ def test_layer_time_prefill_json_matches_measurement_closely():
         "prefill",
         "--tokens",
         "1000",
+        "--runtime",
+        "helix",
         "--json",
     )
     assert r.exit_code == 0, r.output
@@ -309,17 +311,14 @@ def write_profiler_table(folder: Path, model: str, node: str, phase: str, contex
     `context` (so the fit's per-file context is what makes it match)."""
     from solver.catalog.model_cards import load_model_cards
     from solver.catalog.offers import load_catalog
-    from solver.performance.analytical import PerfSettings, analytical_layer_ms
+    from solver.performance.analytical import analytical_layer_ms
     from solver.performance.calibration import load_calibration
 
     cat, card, cal = load_catalog(), load_model_cards()[model], load_calibration()
     cfg = cat.node(node)
-    eff = cal.gpus.get(cfg.gpu_id, cal.default)
+    costs = cal.calibration().costs(cfg, "helix")  # the runtime the fit models
     sizes = [1, 8, 64] if phase == "decode" else [512, 2048, 8192]
-    rows = [
-        f"{x},{analytical_layer_ms(card, cfg, eff, 1, phase, x, context, PerfSettings()):.6f}"
-        for x in sizes
-    ]
+    rows = [f"{x},{analytical_layer_ms(card, cfg, costs, 1, phase, x, context):.6f}" for x in sizes]
     stem = folder / f"{model}__{node}__{phase}"
     stem.with_suffix(".csv").write_text("\n".join(rows) + "\n")
     sidecar = {"context_tokens": context, "tp": 1, "method": "torch layer: median"} | meta
@@ -355,3 +354,94 @@ def test_calibrate_refuses_tables_it_cannot_fit(tmp_path, node, meta, message):
         write_profiler_table(tmp_path, "phi-4", node, "decode", 1024, **meta)
     r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--measured", str(tmp_path))
     assert r.exit_code == 1 and message in r.output
+
+
+def layer_json(model: str, node: str, phase: str, size: int, *extra: str) -> dict:
+    opt = "--batch" if phase == "decode" else "--tokens"
+    args = ["profile", "layer-time", "--model", model, "--node", node, "--phase", phase]
+    r = run(*args, opt, str(size), *extra, "--json")
+    assert r.exit_code == 0, r.output
+    return json.loads(r.stdout)
+
+
+@pytest.mark.parametrize("runtime", ["vllm", "helix"])
+@pytest.mark.parametrize(
+    ("model", "node", "phase", "size", "tp"),
+    [
+        ("llama2-70b", "a100-40gbx1", "decode", 16, 1),  # dense, TP 1
+        ("llama2-70b", "a100-40gbx1", "prefill", 2048, 1),
+        ("llama2-70b", "a100-40gbx8", "decode", 16, 8),  # dense, TP > 1
+        ("llama2-70b", "a100-40gbx8", "prefill", 2048, 8),
+        ("qwen3-235b-a22b", "a100-40gbx8", "decode", 16, 8),  # MoE, TP > 1
+        ("qwen3-235b-a22b", "a100-40gbx8", "prefill", 4096, None),
+        ("gpt-oss-20b", "l4x1", "decode", 64, 1),  # MoE, TP 1
+    ],
+)
+def test_layer_time_components_sum_to_the_total(model, node, phase, size, tp, runtime):
+    if runtime == "helix" and not node.startswith(("a100-40gb", "l4", "t4")):
+        pytest.skip("helix is measured on a100-40gb, l4 and t4 only")
+    data = layer_json(model, node, phase, size, "--runtime", runtime)
+    parts = data["components"]
+    assert set(parts) == {"gemm_ms", "attention_ms", "comm_ms", "overhead_ms"}
+    assert sum(parts.values()) == pytest.approx(data["ms_per_layer"], abs=1e-5)
+    assert all(v >= 0 for v in parts.values()) and parts["gemm_ms"] > 0
+    if tp is not None:
+        assert data["tp"] == tp
+    assert (parts["comm_ms"] > 0) == (data["tp"] > 1)
+    assert (parts["overhead_ms"] > 0) == (runtime == "helix")  # vllm: 0 per layer
+
+
+def test_helix_runtime_adds_its_fitted_per_layer_overhead():
+    """Same kernels, different runtime: only overhead_ms differs, by helix's fitted L4 cost."""
+    from solver.performance.calibration import load_calibration
+
+    vllm = layer_json("llama2-70b", "l4x1", "decode", 8)
+    helix = layer_json("llama2-70b", "l4x1", "decode", 8, "--runtime", "helix")
+    fitted = load_calibration().runtimes["helix"].per_gpu["l4"].decode_layer_ms
+    assert helix["components"]["overhead_ms"] == pytest.approx(fitted)
+    assert helix["ms_per_layer"] - vllm["ms_per_layer"] == pytest.approx(fitted, abs=1e-5)
+    assert vllm["step_overhead_ms"] > 0 and helix["step_overhead_ms"] == 0
+
+
+def test_helix_runtime_on_an_unmeasured_gpu_names_it():
+    r = run(*"profile layer-time --model phi-4 --node h100x1 --phase decode --batch 1".split(),
+            "--runtime", "helix")  # fmt: skip
+    assert r.exit_code == 1 and "h100" in r.output and "--runtime vllm" in r.output
+
+
+def test_unknown_runtime_exits_1_with_suggestion():
+    r = run(*"profile layer-time --model phi-4 --node l4x1 --phase decode --batch 1".split(),
+            "--runtime", "vlm")  # fmt: skip
+    assert r.exit_code == 1 and "vllm" in r.output
+
+
+@pytest.mark.parametrize(
+    ("args", "bound"),
+    [
+        # One sequence on 8 H100s: reading the weights dominates.
+        (["--node", "h100x8", "--phase", "decode", "--batch", "1"], "memory (weight GEMMs)"),
+        # A long prefill on one A100: the GEMMs' FLOPs dominate.
+        (["--node", "a100-40gbx1", "--phase", "prefill", "--tokens", "8192"], "compute"),
+        # PCIe TP 8 on L4s at a large prefill: the all-reduces dominate.
+        (["--node", "l4x8", "--phase", "prefill", "--tokens", "16384"], "communication"),
+        # Helix's eager runtime on a T4 at batch 1, phi-4's small layers: its overhead dominates.
+        (["--model", "phi-4", "--node", "t4x1", "--phase", "decode", "--batch", "1",
+          "--runtime", "helix"], "overhead"),
+    ],
+)  # fmt: skip
+def test_explain_prints_the_breakdown_and_the_bound(args, bound):
+    model = [] if "--model" in args else ["--model", "llama2-70b"]
+    r = run("profile", "explain", *model, *args)
+    assert r.exit_code == 0, r.output
+    for row in ("gemm", "attention", "comm", "overhead", "total"):
+        assert row in r.output
+    assert f"Bound: {bound}" in r.output
+
+
+def test_explain_agrees_with_layer_time_json():
+    data = layer_json("llama2-70b", "l4x8", "prefill", 16384)
+    r = run(
+        *"profile explain --model llama2-70b --node l4x8 --phase prefill --tokens 16384".split()
+    )
+    assert r.exit_code == 0 and f"{data['ms_per_layer']:.4f}" in r.output
+    assert f"{data['components']['comm_ms']:.4f}" in r.output

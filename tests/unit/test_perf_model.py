@@ -120,3 +120,56 @@ def test_a_single_stage_has_no_hop(perf):
     inst = InstanceModel(perf, _chain("phi-4", "l40sx1", [40]), 1500.0, 1000.0)
     compute = perf.stage_time_ms("phi-4", "l40sx1", 1, "prefill", 2048, 1000.0, 40, False)
     assert inst.stage_ms(0, "prefill", 2048) == pytest.approx(compute, rel=1e-12)
+
+
+@pytest.mark.parametrize(("phase", "size"), [("prefill", 2048), ("decode", 16)])
+def test_the_runtime_step_cost_is_paid_once_per_stage_not_per_layer(perf, phase, size):
+    """vllm's per-step cost is added once to a stage, whatever its layer count; the per-layer
+    API stays per layer (no step cost in it)."""
+    step = perf.step_overhead_ms("l40sx1", phase)
+    assert step > 0
+    layer = perf.layer_time("qwen3-32b", "l40sx1", phase, size, 1024).ms
+
+    def stage(layers: int) -> float:
+        return perf.stage_time_ms("qwen3-32b", "l40sx1", 1, phase, size, 1024, layers, False)
+
+    assert stage(10) == pytest.approx(10 * layer + step, rel=1e-12)
+    assert stage(20) - stage(10) == pytest.approx(10 * layer, rel=1e-9)
+
+
+def test_plans_use_the_vllm_runtime_and_helix_is_opt_in(perf):
+    from solver.performance.default_model import load_perf_model
+
+    assert perf.runtime == "vllm"
+    helix = load_perf_model(runtime="helix")
+    a = perf.layer_breakdown("llama2-70b", "a100-40gbx1", "decode", 8, 1024)[1]
+    b = helix.layer_breakdown("llama2-70b", "a100-40gbx1", "decode", 8, 1024)[1]
+    assert a is not None and b is not None
+    assert a.gemm_ms == b.gemm_ms and a.attention_ms == b.attention_ms  # same GPU factors
+    assert a.overhead_ms == 0 and b.overhead_ms > 0.1  # helix's eager per-layer cost
+    with pytest.raises(InputError, match="runtime"):
+        load_perf_model(runtime="tgi")
+
+
+def test_allreduce_follows_the_node_interconnect(perf):
+    """Same TP and message: a PCIe Gen4 node (L4) pays more than an NVLink one (A100)."""
+    l4 = perf.layer_breakdown("llama2-70b", "l4x8", "prefill", 4096, 1024)[1]
+    a100 = perf.layer_breakdown("llama2-70b", "a100-40gbx8", "prefill", 4096, 1024)[1]
+    assert l4 is not None and a100 is not None
+    fits = perf.calibration.allreduce
+    nbytes = 4096 * perf.card("llama2-70b").hidden_size * 2
+    assert l4.comm_ms == pytest.approx(2 * fits["pcie-gen4"][8].ms(nbytes, 8))
+    assert a100.comm_ms == pytest.approx(2 * fits["nvlink-a100"][8].ms(nbytes, 8))
+    assert l4.comm_ms > 5 * a100.comm_ms
+
+
+def test_a_node_without_an_allreduce_fit_names_the_interconnect():
+    import dataclasses
+
+    from solver.performance.default_model import load_perf_model
+
+    pm = load_perf_model()
+    fits = {k: v for k, v in pm.calibration.allreduce.items() if k != "pcie-gen3"}
+    pm.calibration = dataclasses.replace(pm.calibration, allreduce=fits)
+    with pytest.raises(InputError, match=r"pcie-gen3.*TP 2"):
+        pm.layer_time("phi-4", "t4x2", "decode", 8, 512)  # phi-4: TP 1 or 2 on t4x2
