@@ -35,6 +35,12 @@ def calibration_markdown(
         f"Fitted unknowns of the measurements: decode context {cal.decode_context_tokens:g} tokens, "
         f"prefill prompt length {cal.prefill_prompt_tokens:g} tokens.",
         "",
+        "The files were measured under Helix's own runtime (eager vLLM 0.4, one engine step per "
+        "layer), so the errors below use the `helix` runtime: the GPU factors plus its per-layer "
+        "overhead fitted per GPU. Plans use the `vllm` runtime instead (same GPU factors, its own "
+        "fixed costs). `coral profile explain` shows any layer's time by component (weight "
+        "GEMMs, attention, all-reduce, overhead); see performance-model.md.",
+        "",
         "| file | phase | points | median abs. rel. error | max abs. rel. error |",
         "|---|---|---:|---:|---:|",
     ]

@@ -95,3 +95,22 @@ def test_layer_counts_that_do_not_fit_have_no_entry(perf, model, gpu, count, pha
     # throughput falls (weakly) as a node holds more layers
     tputs = [e.tokens_per_s for e in entries]
     assert all(a >= b - 1e-6 for a, b in zip(tputs, tputs[1:], strict=False))
+
+
+@SETTINGS
+@given(
+    model=st.sampled_from(MODELS),
+    gpu=st.sampled_from(GPUS),
+    count=st.sampled_from(COUNTS),
+    phase=st.sampled_from(PHASES),
+    size=st.integers(1, 20000),
+    ctx=st.integers(16, 32000),
+)
+def test_components_sum_to_the_layer_time(perf, model, gpu, count, phase, size, ctx):
+    """The breakdown `coral profile explain` shows is the layer time, term by term: GEMMs,
+    attention, all-reduce (zero exactly at TP 1) and the runtime's per-layer overhead."""
+    lt, parts = perf.layer_breakdown(model, f"{gpu}x{count}", phase, size, ctx)
+    assert parts is not None
+    assert parts.ms == lt.ms
+    assert min(parts.components().values()) >= 0
+    assert (parts.comm_ms > 0) == (lt.tp > 1)
