@@ -30,6 +30,11 @@ def calibration_markdown(
         "(add `--write` to refit `solver/data/calibration.yaml`, and `--measured DIR` to fit to "
         "`coral profile measure` tables as well).",
         "",
+        "The H100, A100-80GB and A40 factors, every GPU's GEMM latency and the NVLink all-reduce "
+        "fits come from Vidur's measurements instead: their errors per GPU and TP degree, the "
+        "leave-one-model-out check and the all-reduce fits are in "
+        "[calibration-vidur.md](calibration-vidur.md) (`scripts/bench_calibration`).",
+        "",
         f"Data: {cal.helix_fit.data}. Fitted on {cal.helix_fit.fitted_on} under the "
         f"`{cal.helix_fit.runtime}` runtime, performance model v{cal.perf_model_version}.",
         f"Fitted unknowns of the measurements: decode context {cal.decode_context_tokens:g} tokens, "
@@ -74,10 +79,9 @@ def _factor_lines(cal: CalibrationData) -> list[str]:
     ]
     for gpu, e in sorted(resolved.gpus.items()):
         origin = "own fit" if gpu in cal.gpus else f"derived from {cal.derived[gpu].from_gpu}"
-        pending = " (pending Vidur fit)" if "pending" in resolved.origin[gpu] else ""
         lines.append(
             f"| {gpu} | {e.decode_mem:.3f} | {e.decode_compute:.3f} | {e.prefill_compute:.3f} "
-            f"| {origin}{pending} |"
+            f"| {origin} |"
         )
     return lines
 

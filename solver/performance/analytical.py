@@ -51,6 +51,16 @@ class Efficiency(BaseModel):
     decode_mem: float = Field(gt=0, le=1.2, description="Fraction of memory bandwidth (decode).")
     decode_compute: float = Field(gt=0, le=1.2, description="Fraction of peak TFLOPS (decode).")
     prefill_compute: float = Field(gt=0, le=1.2, description="Fraction of peak TFLOPS (prefill).")
+    gemm_latency_ms: float = Field(
+        default=0.0,
+        ge=0,
+        le=1,
+        description="Fixed time of one weight-GEMM kernel, ms (GEMMS_PER_LAYER per layer): the "
+        "floor Vidur's small-batch GEMM timings show on every chip, whatever the runtime.",
+    )
+
+
+GEMMS_PER_LAYER = 4  # QKV, O, MLP up/gate, MLP down (an MoE layer's experts run as one fused pair)
 
 
 class Overheads(BaseModel):
@@ -292,7 +302,7 @@ def layer_breakdown(
         attn_bound = "compute"
     comm = 2 * costs.allreduce_ms(node.id, tp, size * card.hidden_size * 2)
     return LayerBreakdown(
-        gemm_ms=t_gemm * 1e3,
+        gemm_ms=GEMMS_PER_LAYER * eff.gemm_latency_ms + t_gemm * 1e3,
         attention_ms=t_attn * 1e3,
         comm_ms=comm,
         overhead_ms=costs.overheads.layer_ms(phase),

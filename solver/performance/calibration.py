@@ -45,7 +45,9 @@ from solver.types import Phase
 HELIX_GPUS = {"a100": "a100-40gb", "l4": "l4", "t4": "t4"}
 HELIX_PHASES: dict[str, Phase] = {"prompt": "prefill", "decode": "decode"}
 HELIX_SOURCE = "Helix-ASPLOS25 per-layer timings (Apache-2.0), solver/data/calibration/helix/"
-EFF_FIELDS = list(Efficiency.model_fields)
+# The factors the Helix fit adjusts; a GPU's GEMM latency is an input to it (Vidur-measured or
+# derived), so the fitted per-layer overheads are what the Helix runtime adds on top.
+EFF_FIELDS = ["decode_mem", "decode_compute", "prefill_compute"]
 
 
 @dataclass(frozen=True)
@@ -130,6 +132,9 @@ class GpuFactors(Efficiency):
     """A GPU type's own fitted factors, with the measurements they come from."""
 
     source: str = Field(description="The fit and the data it used.")
+    gemm_latency_source: str = Field(
+        default="", description="Where gemm_latency_ms comes from (measured, or derived and why)."
+    )
 
 
 class Derivation(BaseModel):
@@ -138,14 +143,14 @@ class Derivation(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
     from_gpu: str = Field(alias="from", description="The measured (or derived) GPU type.")
     why: str = Field(description="Why that chip: architecture / chip family.")
-    source: str = Field(description="Provenance; 'pending Vidur fit' marks a placeholder.")
+    source: str = Field(description="Provenance of the derivation.")
 
 
 class Interconnect(BaseModel):
     """All-reduce fits of one interconnect, per TP degree."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    source: str = Field(description="Measurements behind the numbers, or 'pending Vidur fit'.")
+    source: str = Field(description="Measurements behind the numbers.")
     note: str = Field(default="", description="Uncertainty and derivations.")
     tp: dict[int, AllReduceFit] = Field(description="Per TP degree (2, 4, 8).")
 
@@ -200,7 +205,7 @@ class CalibrationData(BaseModel):
         """
         if gpu in self.gpus:
             own = self.gpus[gpu]
-            return Efficiency(**own.model_dump(include=set(EFF_FIELDS))), own.source
+            return Efficiency(**own.model_dump(include=set(Efficiency.model_fields))), own.source
         if gpu not in self.derived or gpu in seen:
             chain = " <- ".join((*seen, gpu))
             raise InputError(
@@ -233,8 +238,8 @@ CALIBRATION_HEADER = (
     "# Calibration of the performance model (solver/performance/calibration.py: CalibrationData)."
     "\n# `coral profile calibrate --write` regenerates helix_fit, the Helix-fitted GPUs under "
     "gpus: and\n# runtimes.helix.per_gpu, and keeps the rest (derived, runtimes.vllm, allreduce, "
-    "factors fitted\n# elsewhere). Every number names its source; 'pending Vidur fit' marks "
-    "placeholders.\n"
+    "factors fitted\n# elsewhere: Vidur's GEMM and all-reduce fits, written by "
+    "scripts/apply_vidur_fit.py). Every\n# number names its source.\n"
 )
 
 
@@ -280,13 +285,13 @@ FIT_FIELDS = [*EFF_FIELDS, "decode_layer_ms", "prefill_layer_ms"]
 
 
 def _unpack(
-    theta: np.ndarray, gpus: list[str]
+    theta: np.ndarray, gpus: list[str], gemm_latency_ms: dict[str, float]
 ) -> tuple[dict[str, tuple[Efficiency, LayerOverhead]], float, float]:
     n = len(FIT_FIELDS)
     out = {}
     for i, g in enumerate(gpus):
         v = dict(zip(FIT_FIELDS, theta[i * n : (i + 1) * n], strict=True))
-        eff = Efficiency(**{k: v[k] for k in EFF_FIELDS})
+        eff = Efficiency(**{k: v[k] for k in EFF_FIELDS}, gemm_latency_ms=gemm_latency_ms[g])
         out[g] = (eff, LayerOverhead(decode_layer_ms=v["decode_layer_ms"],
                                      prefill_layer_ms=v["prefill_layer_ms"]))  # fmt: skip
     return out, float(theta[-2]), float(theta[-1])
@@ -305,6 +310,7 @@ def fit(
     fitted sections replaced and everything else kept."""
     base = base or load_calibration()
     gpus = sorted({f.gpu for f in files})
+    latency = {g: base.gpus[g].gemm_latency_ms if g in base.gpus else 0.0 for g in gpus}
     # Per GPU, in FIT_FIELDS order: decode_mem, decode_compute, prefill_compute, decode and
     # prefill overhead per layer (helix runtime); then decode context and prefill prompt length.
     x0 = np.array([0.7, 0.5, 0.5, 0.1, 0.1] * len(gpus) + [1024.0, 1024.0])
@@ -312,7 +318,7 @@ def fit(
     hi = np.array([1.0, 1.0, 1.0, 5.0, 5.0] * len(gpus) + [8192.0, 8192.0])
 
     def residuals(theta: np.ndarray) -> np.ndarray:
-        fitted, ctx, plen = _unpack(theta, gpus)
+        fitted, ctx, plen = _unpack(theta, gpus, latency)
         res = []
         for f in files:
             costs = helix_costs(*fitted[f.gpu])
@@ -321,7 +327,7 @@ def fit(
         return np.concatenate(res)
 
     sol = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
-    fitted, ctx, plen = _unpack(sol.x, gpus)
+    fitted, ctx, plen = _unpack(sol.x, gpus, latency)
     data = _with_fit(base, fitted, ctx, plen, source, command, {})
     errors = {
         r.name: round(r.median_abs_rel_error, 4) for r in error_table(files, cards, catalog, data)
@@ -343,7 +349,12 @@ def _with_fit(
     errors: dict[str, float],
 ) -> CalibrationData:
     gpus = dict(base.gpus) | {
-        g: GpuFactors(**_r4(eff), source=f"fit: {source}") for g, (eff, _) in fitted.items()
+        g: GpuFactors(
+            **_r4(eff),
+            source=f"fit: {source}",
+            gemm_latency_source=base.gpus[g].gemm_latency_source if g in base.gpus else "",
+        )
+        for g, (eff, _) in fitted.items()
     }
     helix = base.runtimes["helix"]
     per_gpu = dict(helix.per_gpu) | {g: LayerOverhead(**_r4(lay)) for g, (_, lay) in fitted.items()}

@@ -17,13 +17,12 @@ per topology and rank count as `latency_ms + 2*(n-1)/n * size / bus_bw` (NCCL's 
 from __future__ import annotations
 
 import csv
-import datetime as dt
 import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -34,6 +33,7 @@ from scipy.optimize import minimize
 from solver.catalog.offers import GpuFile
 from solver.errors import InputError
 from solver.io import data_path, load_yaml_model
+from solver.performance.analytical import GEMMS_PER_LAYER
 from solver.types import FROZEN
 
 SOURCE = (
@@ -63,7 +63,6 @@ ELEMENTWISE_COLUMNS = (
 SHAPE_COLUMNS = ("n_head", "n_kv_head", "n_embd", "n_expanded_embd", "use_gated_mlp")
 COMPUTE_COLUMNS = (*SHAPE_COLUMNS, "num_tokens", "num_tensor_parallel_workers")
 ALLREDUCE_COLUMNS = ("num_workers", "size", "devices_per_node", "all_reduce_ms")
-GEMMS_PER_LAYER = 4  # QKV, O, MLP up(+gate), MLP down: one launch each
 BYTES_PER_PARAM = 2  # fp16 / bf16 weights, as Vidur measured
 FloatArray = npt.NDArray[np.float64]
 
@@ -263,47 +262,20 @@ def load_allreduce_rows(directory: Path | None = None) -> list[AllReduceRow]:
     ]
 
 
-class _PeakEntry(BaseModel):
-    model_config = FROZEN
-    name: str
-    memory_bandwidth_gb_s: float = Field(gt=0)
-    dense_tflops: float = Field(gt=0)
-    source: str
-    retrieved: dt.date
-
-
-class _ReferenceFile(BaseModel):
-    model_config = FROZEN
-    schema_version: Literal[1]
-    gpus: dict[str, _PeakEntry]
-
-
-def load_peaks(
-    gpus_path: Path | None = None, reference_path: Path | None = None
-) -> dict[str, GpuPeak]:
-    """Datasheet peaks of every GPU Vidur measured: catalog GPUs from `gpus.yaml`, others (A40)
-    from `calibration/vidur/reference_gpus.yaml` with their datasheet source.
-
-    Args:
-        gpus_path: the catalog's GPU file (the shipped one by default).
-        reference_path: peaks of GPUs the catalog does not sell (the shipped one by default).
-
-    Returns:
-        Peaks keyed by GPU id (`a100-80gb`, `h100`, `a40`).
+def load_peaks(gpus_path: Path | None = None) -> dict[str, GpuPeak]:
+    """Datasheet peaks of every GPU Vidur measured, from the catalog's `gpus.yaml` (the A40 is
+    there as a reference chip that no offer sells), so the fit and the model use one number.
 
     Raises:
-        InputError: when a measured GPU has peaks in neither file.
+        InputError: when a measured GPU has no entry in the file.
     """
-    catalog = load_yaml_model(GpuFile, gpus_path or data_path("gpus.yaml")).gpus
-    ref_file = reference_path or vidur_dir() / "reference_gpus.yaml"
-    reference = load_yaml_model(_ReferenceFile, ref_file).gpus
+    path = gpus_path or data_path("gpus.yaml")
+    catalog = load_yaml_model(GpuFile, path).gpus
     peaks: dict[str, GpuPeak] = {}
     for gpu in SKU_TO_GPU.values():
-        entry: Any = catalog.get(gpu) or reference.get(gpu)
-        if entry is None:
-            raise InputError(
-                f"{ref_file}: gpus.{gpu}", "no datasheet peaks", "add them with a source"
-            )
+        if gpu not in catalog:
+            raise InputError(f"{path}: gpus.{gpu}", "no datasheet peaks", "add them with a source")
+        entry = catalog[gpu]
         peaks[gpu] = GpuPeak(
             memory_bandwidth_gb_s=entry.memory_bandwidth_gb_s,
             dense_tflops=entry.dense_tflops,

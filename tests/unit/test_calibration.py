@@ -54,7 +54,7 @@ def test_refit_reproduces_stored_factors(helix_files):
     stored = load_calibration()
     refit = fit(helix_files, load_model_cards(), load_catalog())
     for gpu, eff in stored.gpus.items():
-        for name, value in eff.model_dump(exclude={"source"}).items():
+        for name, value in eff.model_dump(exclude={"source", "gemm_latency_source"}).items():
             assert getattr(refit.gpus[gpu], name) == pytest.approx(value, rel=0.02, abs=0.01), (
                 gpu,
                 name,
@@ -116,8 +116,18 @@ def test_the_issue_derivations_are_the_documented_chip_families():
     assert derived["l40s"].from_gpu == "l4" and "Ada" in derived["l40s"].why
     assert derived["a10g"].from_gpu == "a40" and "GA102" in derived["a10g"].why
     assert "Volta has no measured chip" in derived["v100"].why
-    for gpu in ("h100", "a100-80gb", "a40"):  # placeholders the Vidur fit replaces
-        assert "pending Vidur fit" in derived[gpu].source
+
+
+def test_measured_gpus_have_their_own_factors_with_their_source():
+    """H100, A100-80GB and the A40 reference are fitted on Vidur's GEMM timings, the Helix GPUs
+    on Helix's files; every GPU's GEMM latency is measured or names the chip it comes from."""
+    cal = load_calibration()
+    for gpu in ("h100", "a100-80gb", "a40"):
+        assert gpu not in cal.derived and "vidur" in cal.gpus[gpu].source
+    for gpu in ("a100-40gb", "l4", "t4"):
+        assert "Helix" in cal.gpus[gpu].source
+        assert cal.gpus[gpu].gemm_latency_source.startswith("derived from ")
+    assert all(0 < g.gemm_latency_ms < 0.05 for g in cal.gpus.values())
 
 
 def _without(data: CalibrationData, **drop: str) -> CalibrationData:
@@ -127,7 +137,7 @@ def _without(data: CalibrationData, **drop: str) -> CalibrationData:
 
 def test_a_derivation_without_factors_at_its_source_names_the_gpu():
     """a10g derives from a40: without a40's factors (or derivation) loading fails on a10g."""
-    broken = _without(load_calibration(), derived="a40")
+    broken = _without(load_calibration(), gpus="a40")
     with pytest.raises(
         InputError, match=r"derived\.a10g\.from.*'a10g' derives its factors from 'a40'"
     ):

@@ -173,3 +173,20 @@ def test_a_node_without_an_allreduce_fit_names_the_interconnect():
     pm.calibration = dataclasses.replace(pm.calibration, allreduce=fits)
     with pytest.raises(InputError, match=r"pcie-gen3.*TP 2"):
         pm.layer_time("phi-4", "t4x2", "decode", 8, 512)  # phi-4: TP 1 or 2 on t4x2
+
+
+def test_every_layer_pays_its_gpus_gemm_latency(perf):
+    """Vidur's small-batch GEMMs never run faster than a fixed time per kernel: at batch 1 the
+    GEMM component is the weight read plus GEMMS_PER_LAYER x the GPU's GEMM latency."""
+    from solver.performance.analytical import GEMMS_PER_LAYER
+
+    node = perf.catalog.node("h100x1")
+    eff = perf.calibration.for_gpu("h100")
+    lt, one = perf.layer_breakdown("llama2-70b", "h100x1", "decode", 1, 1024)
+    assert one is not None and lt.tp == 1
+    card = perf.card("llama2-70b")
+    read_ms = card.active_params_per_layer * card.weight_bytes_per_param / (  # dense: all weights
+        node.gpu.memory_bandwidth_gb_s * 1e9 * eff.decode_mem
+    ) * 1e3
+    assert eff.gemm_latency_ms > 0
+    assert one.gemm_ms == pytest.approx(read_ms + GEMMS_PER_LAYER * eff.gemm_latency_ms, rel=0.02)
