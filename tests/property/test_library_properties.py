@@ -109,10 +109,12 @@ def test_aggregated_single_node_worked_example(perf):
 
 def test_aggregated_rows_run_both_phases_at_one_tp(perf):
     """A replica runs one TP: each aggregated T̂ entry is 1 / (P / T̂pre_j(tp) + O / T̂dec_j(tp))
-    at the TP it records, the best such TP. gpt-oss-120b on h100x2 is a node where prefill's and
-    decode's own best TPs differ (at S = 2, j = 36: prefill's is 2, decode's 1, and decode
-    misses its budget at TP 2), so combining each phase's best would overstate the rate."""
-    model, node = "gpt-oss-120b", "h100x2"
+    at the TP it records, the best such TP. gpt-oss-120b on l40sx8 (PCIe, no NVLink) is a node
+    where prefill's and decode's own best TPs differ (at S = 1, j = 36: prefill's is 4, where
+    the 8-way all-reduce costs more than it saves, decode's 8), so combining each phase's best
+    would overstate the rate. (On h100x2 both phases pick TP 2 for every entry since the NVLink
+    all-reduce fits of performance model v4, so no split is left there.)"""
+    model, node = "gpt-oss-120b", "l40sx8"
     spec = load_stack(STACKS, "paper-extended").models[model]
     rows = {ph: RowSource(perf, model, ph, spec, [node]) for ph in ("prefill", "decode")}
     agg = RowSource(perf, model, "aggregated", spec, [node])
@@ -123,7 +125,7 @@ def test_aggregated_rows_run_both_phases_at_one_tp(perf):
         dec = rows["decode"].row(node, s, tp, last)[j - 1]
         return 1 / (p / pre + o / dec) if pre > 0 and dec > 0 else 0.0
 
-    tps = valid_tp_degrees(perf.card(model), 2)
+    tps = valid_tp_degrees(perf.card(model), perf.catalog.node(node).gpu_count)
     split = 0  # entries whose phases would each pick a different TP
     for s, last in [(1, False), (2, False), (2, True), (3, False)]:
         for j in range(1, perf.card(model).layers + 1):
@@ -132,9 +134,11 @@ def test_aggregated_rows_run_both_phases_at_one_tp(perf):
             assert value == pytest.approx(rate(s, j, tp, last), rel=1e-12)
             assert value == pytest.approx(max(rate(s, j, t, last) for t in tps), rel=1e-12)
             own = {rows[ph].chosen_tp(node, s, j, last) for ph in rows}
-            split += (
-                len(own) > 1 and min(rows[ph].row(node, s, last=last)[j - 1] for ph in rows) > 0
-            )
+            best = [rows[ph].row(node, s, last=last)[j - 1] for ph in ("prefill", "decode")]
+            if len(own) > 1 and min(best) > 0:
+                split += 1
+                # each phase at its own best TP would claim more than one shared TP serves
+                assert 1 / (p / best[0] + o / best[1]) > value
     assert split >= 1  # the case this test is about is present in the performance model
 
 
@@ -147,4 +151,6 @@ def test_a_chains_last_stage_is_timed_without_a_hop():
     with_hop = rows.row("l40sx1", 3, 1)[j - 1]
     without = rows.row("l40sx1", 3, 1, last=True)[j - 1]
     assert [s.layers for s in t.stages] == [21, 21, 22]
-    assert with_hop < t.throughput <= without
+    # to_template stores the rate to 6 decimals: where the last stage is the bottleneck (it is
+    # under performance model v4) the stored value may round up past the unrounded bound.
+    assert with_hop < t.throughput <= round(without, 6)
