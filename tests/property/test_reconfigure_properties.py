@@ -35,6 +35,15 @@ def plan_for(scales: dict[str, float], previous=None):
     return plan_stack("test", fleet(models=models), perf().catalog, libraries(), previous)
 
 
+def scale_for(model: str, phase: str, template: str, instances: float) -> float:
+    """Demand scale of `model` at which its `phase` demand is `instances` x the throughput of
+    `template` in its library, read from the current performance model (not a bare number)."""
+    (t,) = [t for t in libraries()[(model, phase)].templates if t.key == template]
+    spec = SMALL_FLEET["models"][model]
+    per_request = spec["mean_prompt_tokens" if phase == "prefill" else "mean_output_tokens"]
+    return float(instances * t.throughput / per_request / spec["demand"]["requests_per_s"])
+
+
 def run(steps: list[tuple[dict[str, float], timedelta]]):
     """Plan and transition once per (demand scales, time since the last run)."""
     now, plan, state = START, None, None
@@ -86,19 +95,29 @@ def test_capacity_never_drops_below_demand(steps):
 
 
 def test_up_down_and_shift_between_models():
-    """Up, down, and demand moving from one model to the other, runs 30 min apart."""
+    """Up, down, and demand moving from one model to the other, runs 30 min apart.
+
+    phi-4's levels are read from its l40sx1 prefill template, so "up" needs a second prefill
+    instance whatever the model's throughputs are, and "down" fits in one (surplus to drain).
+    """
     half = timedelta(minutes=30)
+    up = scale_for("phi-4", "prefill", "l40sx1", 1.5)
+    down = scale_for("phi-4", "prefill", "l40sx1", 0.5)
     history = run(
         [
             ({"phi-4": 1.0, "gpt-oss-20b": 1.0}, half),
-            ({"phi-4": 2.5, "gpt-oss-20b": 1.0}, half),  # up
-            ({"phi-4": 2.5, "gpt-oss-20b": 1.0}, half),  # starting ones become ready
-            ({"phi-4": 0.5, "gpt-oss-20b": 1.0}, half),  # down: surplus drains
-            ({"phi-4": 0.5, "gpt-oss-20b": 1.0}, half),  # drained ones are deleted
-            ({"phi-4": 0.5, "gpt-oss-20b": 2.5}, half),  # shift to the other model
+            ({"phi-4": up, "gpt-oss-20b": 1.0}, half),  # up
+            ({"phi-4": up, "gpt-oss-20b": 1.0}, half),  # starting ones become ready
+            ({"phi-4": down, "gpt-oss-20b": 1.0}, half),  # down: surplus drains
+            ({"phi-4": down, "gpt-oss-20b": 1.0}, half),  # drained ones are deleted
+            ({"phi-4": down, "gpt-oss-20b": 2.5}, half),  # shift to the other model
         ]
     )
     check(history)
+    prefills = [
+        sum(i.model == "phi-4" and i.phase == "prefill" for i in p.instances) for p, _ in history
+    ]
+    assert prefills[1] >= 2 and prefills[3] == 1  # the levels did what they are read for
     states = [s.by_state() for _, s in history]
     assert states[0]["starting"] and not states[0]["ready"]  # a new fleet boots first
     assert states[1]["starting"] and states[1]["ready"]  # scale-up: old serve, new boot
