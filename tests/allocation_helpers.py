@@ -55,3 +55,16 @@ def libraries() -> dict[tuple[str, str], Library]:
     f = fleet()
     libs = build_libraries(perf(), f, list(stack_demand(f)))  # type: ignore[arg-type]
     return {(lib.model, lib.phase): lib for lib in libs}
+
+
+def rps_needing(model: str, phase: str, template: str, instances: float) -> float:
+    """Requests/s of `model` at which its `phase` demand is `instances` x the throughput of
+    `template` (a key of that job's library), read from the current performance model.
+
+    Tests pin demand this way rather than as a bare number, so a recalibrated model keeps the
+    plan they were written for (how many instances a job needs) instead of silently changing it.
+    """
+    (t,) = [t for t in libraries()[(model, phase)].templates if t.key == template]
+    spec = SMALL_FLEET["models"][model]
+    per_request = spec["mean_prompt_tokens" if phase == "prefill" else "mean_output_tokens"]
+    return float(instances * t.throughput / per_request)
