@@ -13,7 +13,7 @@ from solver.plan.planner import plan_stack
 from solver.plan.schema import Instance, Plan
 from solver.plan.validator import InvalidPlan, plan_problems, served_fraction, validate_plan
 from solver.types import Job
-from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
 
 def with_rps(phi: float, gpt: float, **more: Any):
@@ -58,8 +58,9 @@ def others(problems: list[str], *about: str) -> list[str]:
 
 def test_a_plan_that_lowers_its_own_demand_is_rejected_with_the_job_and_numbers():
     """One phi-4 decode instance dropped, and the plan's phi-4 decode demand lowered to what is
-    left: every figure in the plan agrees with every other, but not with the stack."""
-    f = with_rps(3, 4)
+    left: every figure in the plan agrees with every other, but not with the stack. phi-4 decode
+    needs 1.5 l40sx1 instances (its only template), so the plan buys two."""
+    f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 1.5), 4)
     plan = solve(f)
     decode = [i for i in plan.instances if (i.model, i.phase) == ("phi-4", "decode")]
     assert len(decode) >= 2
@@ -112,7 +113,8 @@ def test_a_plan_claiming_more_than_its_instances_serve_is_rejected():
         for r in ("us-east-2", "ap-northeast-2")
         for n in SMALL_FLEET["node_configs"]
     ]
-    f = with_rps(6, 8, availability=avail)
+    # phi-4 decode needs 2.6 l40sx1 instances, its only template, and two l40sx1 are available
+    f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 8, availability=avail)
     plan = solve(f)
     assert 0 < plan.served_fraction < 1
     actual = served_fraction(f, stack_demand(f), _supply(plan))
