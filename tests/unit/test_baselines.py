@@ -19,7 +19,7 @@ from solver.plan.planner import plan_stack
 from solver.plan.schema import Plan
 from solver.plan.validator import validate_plan
 from solver.stack import FleetConfig
-from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
 REPO = Path(__file__).resolve().parents[2]
 A, B = ("aws", "cheap"), ("aws", "dear")
@@ -151,9 +151,15 @@ def test_baselines_colocate_phases_on_scarce_availability(method, rps):
 
 @pytest.mark.parametrize("method", ["homo", "cauchy"])
 def test_baselines_stay_within_the_budget_and_say_so(method):
-    free = solve(with_rps(6, 8), method)
-    budget = round(free.hourly_cost_usd * 0.7, 2)
-    p = solve(with_rps(6, 8, allocation={"budget_usd_per_hour": budget}), method)
+    """A budget halfway between the baseline's plan for 1% of demand (what serving any of it
+    costs: one instance per job) and its plan for all of it. phi-4 decode needs 2.6 l40sx1
+    instances, its only template, so the full plan costs more than the 1% one."""
+    phi, gpt = rps_needing("phi-4", "decode", "l40sx1", 2.6), 8
+    free = solve(with_rps(phi, gpt), method)
+    least = solve(with_rps(phi / 100, gpt / 100), method)
+    budget = round((least.hourly_cost_usd + free.hourly_cost_usd) / 2, 2)
+    assert least.hourly_cost_usd < budget < free.hourly_cost_usd
+    p = solve(with_rps(phi, gpt, allocation={"budget_usd_per_hour": budget}), method)
     assert 0 < p.served_fraction < 1
     assert p.hourly_cost_usd <= budget + 1e-6
     assert any(line.startswith("budget") for line in p.binding)
