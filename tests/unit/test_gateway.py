@@ -309,11 +309,20 @@ def declared(result) -> dict:
 
 
 def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path, preview):
+    """A plan that adds instances (demand 1.5x what the first plan's prefill serves, read from
+    the plan; add-only, so the re-plan cannot meet it by swapping instances) changes the gateway
+    configuration parameter in place and nothing else of the gateway."""
     first = preview("dev", REPO / "stacks")
-    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
-    models = doc["config"]["coral:fleet"]["models"]
-    models["phi-4"]["demand"] = {"requests_per_s": 2.5}
-    more = preview("dev", stacks_with(tmp_path, "dev", models=models), previous=first.plan)
+    fleet = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())["config"][
+        "coral:fleet"
+    ]
+    models, phi4 = fleet["models"], fleet["models"]["phi-4"]
+    prefill = [i for i in first.plan.instances if i.model == "phi-4" and i.phase == "prefill"]
+    served = sum(i.throughput for i in prefill) / phi4["mean_prompt_tokens"]
+    phi4["demand"] = {"requests_per_s": 1.5 * served}
+    allocation = fleet["allocation"] | {"add_only": True}
+    stacks = stacks_with(tmp_path, "dev", models=models, allocation=allocation)
+    more = preview("dev", stacks, previous=first.plan)
     assert len(more.plan.instances) > len(first.plan.instances)
     before, after = declared(first), declared(more)
     gateway_keys = [k for k in before if "gateway" in k[1]]
