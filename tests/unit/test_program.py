@@ -167,11 +167,17 @@ def test_second_run_with_previous_outputs_changes_nothing(preview):
 
 
 def test_demand_increase_only_adds_resources(tmp_path, preview):
+    """With `allocation.add_only`, a demand increase (1.5x what the first plan's prefill serves,
+    read from the plan) declares new resources and leaves every existing one as it was. Without
+    it a re-plan may replace instances (docs/allocation.md), so the option is what is tested."""
     first = preview("dev", REPO / "stacks")
     doc = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
-    models = doc["config"]["coral:fleet"]["models"]
-    models["phi-4"]["demand"] = {"requests_per_s": 2.5}
-    stacks = stacks_with(tmp_path, "dev", models=models)
+    fleet = doc["config"]["coral:fleet"]
+    models, allocation = fleet["models"], fleet["allocation"]
+    prefill = [i for i in first.plan.instances if i.model == "phi-4" and i.phase == "prefill"]
+    served = sum(i.throughput for i in prefill) / models["phi-4"]["mean_prompt_tokens"]
+    models["phi-4"]["demand"] = {"requests_per_s": 1.5 * served}
+    stacks = stacks_with(tmp_path, "dev", models=models, allocation=allocation | {"add_only": True})
     more = preview("dev", stacks, previous=first.plan)
     before = {
         (r.type, r.name): r.inputs
