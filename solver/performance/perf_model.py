@@ -98,9 +98,13 @@ class ProfileEntry:
     source: str
 
 
-@dataclass
+@dataclass(frozen=True)
 class PerfModel:
-    """Layer times and profile tables for every (model, node config)."""
+    """Layer times and profile tables for every (model, node config).
+
+    Frozen: the memoised layer and step times below depend on every field, so a model with other
+    settings, calibration, measured tables or runtime is a new one (`dataclasses.replace`).
+    """
 
     catalog: Catalog
     cards: dict[ModelId, ModelCard]

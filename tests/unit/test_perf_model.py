@@ -170,7 +170,7 @@ def test_a_node_without_an_allreduce_fit_names_the_interconnect():
 
     pm = load_perf_model()
     fits = {k: v for k, v in pm.calibration.allreduce.items() if k != "pcie-gen3"}
-    pm.calibration = dataclasses.replace(pm.calibration, allreduce=fits)
+    pm = dataclasses.replace(pm, calibration=dataclasses.replace(pm.calibration, allreduce=fits))
     with pytest.raises(InputError, match=r"pcie-gen3.*TP 2"):
         pm.layer_time("phi-4", "t4x2", "decode", 8, 512)  # phi-4: TP 1 or 2 on t4x2
 
@@ -190,3 +190,15 @@ def test_every_layer_pays_its_gpus_gemm_latency(perf):
     ) * 1e3
     assert eff.gemm_latency_ms > 0
     assert one.gemm_ms == pytest.approx(read_ms + GEMMS_PER_LAYER * eff.gemm_latency_ms, rel=0.02)
+
+
+def test_a_perf_model_is_frozen_so_its_memoised_times_never_go_stale(perf):
+    """Stage times are memoised per model instance; changing the runtime means a new instance,
+    whose times differ (helix pays per-layer overhead, vllm a per-stage step)."""
+    import dataclasses
+
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        perf.runtime = "helix"
+    helix = dataclasses.replace(perf, runtime="helix")
+    args = ("llama2-70b", "l4x1", 1, "decode", 8, 790.0, 40, False)
+    assert helix.stage_time_ms(*args) != perf.stage_time_ms(*args)
