@@ -62,6 +62,11 @@ class CalibrationFile:
     phase: Phase
     points: tuple[tuple[float, float], ...]
     context: float | None = None
+    # The runtime the file was measured under: Helix's files pay Helix's per-layer cost (fitted);
+    # a `coral profile measure` table times layers alone, as the vllm runtime's per-layer cost
+    # (none under CUDA graphs) assumes, so its fit has no free overhead term.
+    runtime: Literal["helix", "vllm"] = "helix"
+    source: str = HELIX_SOURCE
 
 
 def helix_data_dir() -> Path:
@@ -79,7 +84,16 @@ def load_helix_dir(directory: Path) -> list[CalibrationFile]:
         if gpu not in HELIX_GPUS or phase not in HELIX_PHASES:
             raise InputError(str(path), "unexpected file name", "<model>_<a100|l4|t4>_<phase>.csv")
         pts = tuple((x, ms) for x, ms in read_two_column_csv(path) if x > 0)
-        out.append(CalibrationFile(path.name, model, HELIX_GPUS[gpu], HELIX_PHASES[phase], pts))
+        source = (
+            HELIX_SOURCE
+            if directory == helix_data_dir()
+            else f"Helix-format per-layer timings, {directory}"
+        )
+        out.append(
+            CalibrationFile(
+                path.name, model, HELIX_GPUS[gpu], HELIX_PHASES[phase], pts, source=source
+            )
+        )
     if not out:
         raise InputError(str(directory), "no CSV files", "pass the Helix calibration folder")
     return out
@@ -122,7 +136,12 @@ def load_profiler_dir(directory: Path, catalog: Catalog) -> list[CalibrationFile
         pts = tuple((x, ms) for x, ms in read_two_column_csv(path) if x > 0)
         gpu = catalog.node(node).gpu_id
         context = float(meta["context_tokens"])
-        out.append(CalibrationFile(path.name, model, gpu, phase, pts, context))  # type: ignore[arg-type]
+        out.append(
+            CalibrationFile(
+                path.name, model, gpu, phase, pts, context,  # type: ignore[arg-type]
+                runtime="vllm", source=f"coral profile measure tables, {directory}",
+            )
+        )  # fmt: skip
     if not out:
         raise InputError(str(directory), "no CSV files", "pass the profiler's output folder")
     return out
@@ -254,6 +273,23 @@ def load_calibration(path: Path | None = None) -> CalibrationData:
     return load_yaml_model(CalibrationData, path or data_path("calibration.yaml"))
 
 
+def file_costs(
+    f: CalibrationFile, eff: Efficiency, helix_layer: LayerOverhead | None, data: CalibrationData
+) -> NodeCosts:
+    """Costs a file's measurements include: the helix runtime's per-layer cost (`helix_layer`)
+    for Helix's files, the vllm runtime's per-layer cost for profiler tables."""
+    if f.runtime == "vllm":
+        vllm = data.runtimes["vllm"]
+        layer = LayerOverhead(
+            decode_layer_ms=vllm.decode_layer_ms or 0.0,
+            prefill_layer_ms=vllm.prefill_layer_ms or 0.0,
+        )
+        return helix_costs(eff, layer)
+    if helix_layer is None:
+        raise InputError(f"runtimes.helix.per_gpu.{f.gpu}", "missing", "refit with --write")
+    return helix_costs(eff, helix_layer)
+
+
 def helix_costs(eff: Efficiency, layer: LayerOverhead) -> NodeCosts:
     """Costs of a one-GPU node under the helix runtime (no per-step cost: each layer is a step)."""
     overheads = Overheads(
@@ -321,18 +357,32 @@ def fit(
         fitted, ctx, plen = _unpack(theta, gpus, latency)
         res = []
         for f in files:
-            costs = helix_costs(*fitted[f.gpu])
-            pred = predict_ms(cards[f.model], catalog, costs, f, ctx, plen)
+            eff, layer = fitted[f.gpu]
+            pred = predict_ms(
+                cards[f.model], catalog, file_costs(f, eff, layer, base), f, ctx, plen
+            )
             res.append(np.log(pred / np.array([ms for _, ms in f.points])))
         return np.concatenate(res)
 
     sol = least_squares(residuals, x0, bounds=(lo, hi), method="trf")
     fitted, ctx, plen = _unpack(sol.x, gpus, latency)
-    data = _with_fit(base, fitted, ctx, plen, source, command, {})
+    sources = {g: "; ".join(sorted({f.source for f in files if f.gpu == g})) for g in gpus}
+    helix_gpus = {f.gpu for f in files if f.runtime == "helix"}
+    fit_of = _FitResult(fitted, sources, helix_gpus, ctx, plen)
+    data = _with_fit(base, fit_of, source, command, {})
     errors = {
         r.name: round(r.median_abs_rel_error, 4) for r in error_table(files, cards, catalog, data)
     }
-    return _with_fit(base, fitted, ctx, plen, source, command, errors)
+    return _with_fit(base, fit_of, source, command, errors)
+
+
+@dataclass(frozen=True)
+class _FitResult:
+    fitted: dict[str, tuple[Efficiency, LayerOverhead]]
+    sources: dict[str, str]  # GPU -> the measurements its factors come from
+    helix_gpus: set[str]  # GPUs with Helix files: only they get a fitted helix overhead
+    ctx: float
+    plen: float
 
 
 def _r4(m: BaseModel) -> dict[str, float]:
@@ -340,24 +390,21 @@ def _r4(m: BaseModel) -> dict[str, float]:
 
 
 def _with_fit(
-    base: CalibrationData,
-    fitted: dict[str, tuple[Efficiency, LayerOverhead]],
-    ctx: float,
-    plen: float,
-    source: str,
-    command: str,
-    errors: dict[str, float],
+    base: CalibrationData, res: _FitResult, source: str, command: str, errors: dict[str, float]
 ) -> CalibrationData:
+    fitted = res.fitted
     gpus = dict(base.gpus) | {
         g: GpuFactors(
             **_r4(eff),
-            source=f"fit: {source}",
+            source=f"fit: {res.sources[g]}",
             gemm_latency_source=base.gpus[g].gemm_latency_source if g in base.gpus else "",
         )
         for g, (eff, _) in fitted.items()
     }
     helix = base.runtimes["helix"]
-    per_gpu = dict(helix.per_gpu) | {g: LayerOverhead(**_r4(lay)) for g, (_, lay) in fitted.items()}
+    per_gpu = dict(helix.per_gpu) | {
+        g: LayerOverhead(**_r4(lay)) for g, (_, lay) in fitted.items() if g in res.helix_gpus
+    }
     return base.model_copy(
         update={
             "perf_model_version": PERF_MODEL_VERSION,
@@ -366,8 +413,8 @@ def _with_fit(
                 command=command,
                 data=source,
                 runtime="helix",
-                decode_context_tokens=round(ctx, 1),
-                prefill_prompt_tokens=round(plen, 1),
+                decode_context_tokens=round(res.ctx, 1),
+                prefill_prompt_tokens=round(res.plen, 1),
                 fit_median_abs_rel_error=errors,
             ),
             "gpus": dict(sorted(gpus.items())),
@@ -391,12 +438,13 @@ def _file_pred(
 ) -> np.ndarray:
     """The stored factors' prediction for one file, under the runtime it was measured with."""
     cal = data.calibration()
-    layer = data.runtimes["helix"].overheads("helix", f.gpu)
-    costs = helix_costs(
-        cal.for_gpu(f.gpu),
-        LayerOverhead(decode_layer_ms=layer.decode_layer_ms,
-                      prefill_layer_ms=layer.prefill_layer_ms),
-    )  # fmt: skip
+    helix_layer = None
+    if f.runtime == "helix":
+        layer = data.runtimes["helix"].overheads("helix", f.gpu)
+        helix_layer = LayerOverhead(
+            decode_layer_ms=layer.decode_layer_ms, prefill_layer_ms=layer.prefill_layer_ms
+        )
+    costs = file_costs(f, cal.for_gpu(f.gpu), helix_layer, data)
     return predict_ms(
         cards[f.model], catalog, costs, f, data.decode_context_tokens, data.prefill_prompt_tokens
     )

@@ -316,7 +316,7 @@ def write_profiler_table(folder: Path, model: str, node: str, phase: str, contex
 
     cat, card, cal = load_catalog(), load_model_cards()[model], load_calibration()
     cfg = cat.node(node)
-    costs = cal.calibration().costs(cfg, "helix")  # the runtime the fit models
+    costs = cal.calibration().costs(cfg, "vllm")  # a profiler table times layers alone
     sizes = [1, 8, 64] if phase == "decode" else [512, 2048, 8192]
     rows = [f"{x},{analytical_layer_ms(card, cfg, costs, 1, phase, x, context):.6f}" for x in sizes]
     stem = folder / f"{model}__{node}__{phase}"
@@ -334,6 +334,27 @@ def test_calibrate_reads_profiler_tables_with_their_own_context(tmp_path):
     assert len(rows) == 14  # 12 Helix files + 2 tables
     for name in ("llama2-70b__l4x1__decode.csv", "llama2-70b__l4x1__prefill.csv"):
         assert rows[name]["median_abs_rel_error"] < 1e-4  # timed at their own context
+
+
+def test_calibrate_fits_a_gpu_helix_never_measured_from_its_own_table(tmp_path):
+    """An H100 table (no Helix file, no helix overhead): scored and fitted under the vllm
+    runtime's per-layer cost, its factors labelled with the tables, no helix overhead invented."""
+    from solver.catalog.model_cards import load_model_cards
+    from solver.catalog.offers import load_catalog
+    from solver.performance.calibration import fit, load_helix_dir, load_profiler_dir
+
+    write_profiler_table(tmp_path, "llama2-70b", "h100x1", "decode", 2000)
+    write_profiler_table(tmp_path, "llama2-70b", "h100x1", "prefill", 1024)
+    r = run("profile", "calibrate", "--data", str(HELIX_DIR), "--measured", str(tmp_path), "--json")
+    assert r.exit_code == 0, r.output  # was: runtime 'helix' has no per-layer overhead for h100
+    rows = {row["name"]: row for row in json.loads(r.stdout)}
+    assert rows["llama2-70b__h100x1__decode.csv"]["median_abs_rel_error"] < 1e-4
+    cat = load_catalog()
+    files = load_helix_dir(HELIX_DIR) + load_profiler_dir(tmp_path, cat)
+    refit = fit(files, load_model_cards(), cat)
+    assert "h100" not in refit.runtimes["helix"].per_gpu
+    assert "coral profile measure tables" in refit.gpus["h100"].source
+    assert "Helix" not in refit.gpus["h100"].source and "Helix" in refit.gpus["l4"].source
 
 
 @pytest.mark.parametrize(
