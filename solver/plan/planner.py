@@ -191,4 +191,7 @@ def plan_with_library(
         perf, fleet, list(stack_demand(fleet)), directory, True, workers, progress, rebuild_stale
     )
     plan = plan_stack(stack, fleet, perf.catalog, libs, previous, method)
-    return validate_plan(plan, fleet, perf.catalog, perf.cards)
+    library = {
+        template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
+    }
+    return validate_plan(plan, fleet, perf.catalog, perf.cards, library)

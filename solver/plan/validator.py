@@ -18,6 +18,7 @@ Every plan the CLI writes and every plan in the tests passes through `validate_p
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from solver.catalog.market import Market, build_market
@@ -54,7 +55,11 @@ class _Tally:
 
 
 def plan_problems(
-    plan: Plan, fleet: FleetConfig, catalog: Catalog, cards: dict[str, ModelCard]
+    plan: Plan,
+    fleet: FleetConfig,
+    catalog: Catalog,
+    cards: dict[str, ModelCard],
+    library: Mapping[str, ServingTemplate] | None = None,
 ) -> list[str]:
     """Every rule the plan breaks (empty when it is valid).
 
@@ -63,6 +68,9 @@ def plan_problems(
         fleet: the stack the plan is for (demand, SLOs, market overrides, allocation).
         catalog: offers, for prices and availability.
         cards: model cards, for layer counts.
+        library: the serving templates the plan may use, by template ref (`template_ref`);
+            when given, each of the plan's templates must be the library's, throughput and
+            placement included, so a plan cannot claim more than its templates deliver.
 
     Returns:
         One line per broken rule, naming the instance, job or slot and the numbers.
@@ -78,6 +86,14 @@ def plan_problems(
         problems.extend(_instance_problems(inst, plan, market, keys, tally))
     for ref, t in sorted(plan.templates.items()):
         problems.extend(_template_problems(ref, t, fleet, cards))
+        if library is not None and library.get(ref) != t:
+            known = library.get(ref)
+            problems.append(
+                f"template {ref}: not in the library"
+                if known is None
+                else f"template {ref}: claims {t.throughput:g} {t.unit}, the library's "
+                f"{known.throughput:g} (or another placement)"
+            )
     problems.extend(_capacity_problems(market, tally.used))
     if abs(tally.total - plan.hourly_cost_usd) > 1e-3:
         problems.append(
@@ -245,7 +261,11 @@ def _template_problems(
 
 
 def validate_plan(
-    plan: Plan, fleet: FleetConfig, catalog: Catalog, cards: dict[str, ModelCard]
+    plan: Plan,
+    fleet: FleetConfig,
+    catalog: Catalog,
+    cards: dict[str, ModelCard],
+    library: Mapping[str, ServingTemplate] | None = None,
 ) -> Plan:
     """Return the plan when valid.
 
@@ -254,6 +274,7 @@ def validate_plan(
         fleet: the stack it is for.
         catalog: offers, for prices and availability.
         cards: model cards, for layer counts.
+        library: the serving templates the plan may use, by template ref (see `plan_problems`).
 
     Returns:
         The same plan.
@@ -262,7 +283,7 @@ def validate_plan(
         InvalidPlan: listing every broken rule.
         InputError: the stack itself has no usable demand for a model.
     """
-    problems = plan_problems(plan, fleet, catalog, cards)
+    problems = plan_problems(plan, fleet, catalog, cards, library)
     if problems:
         raise InvalidPlan(problems)
     return plan

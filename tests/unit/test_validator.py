@@ -169,3 +169,34 @@ def _supply(plan: Plan) -> dict[tuple[str, str], float]:
     for i in plan.instances:
         out[(i.model, i.phase)] = out.get((i.model, i.phase), 0.0) + i.throughput
     return out
+
+
+def test_a_template_whose_throughput_the_plan_made_up_is_rejected_against_the_library():
+    """The plan claims phi-4's decode template serves 6x what the library says, and drops the
+    instances it no longer needs, every total consistent: only the library check catches it."""
+    from solver.plan.schema import template_ref
+
+    f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 0.5)
+    plan = solve(f)
+    library = {
+        template_ref(m, ph, t.key): t for (m, ph), lib in libraries().items() for t in lib.templates
+    }
+    ref = template_ref("phi-4", "decode", "l40sx1")
+    fake = plan.templates[ref].model_copy(update={"throughput": plan.templates[ref].throughput * 6})
+    data = plan.model_dump()
+    data["templates"][ref] = fake.model_dump()
+    first = next(i for i in plan.instances if i.model == "phi-4" and i.phase == "decode")
+    for inst in data["instances"]:
+        if (inst["model"], inst["phase"]) == ("phi-4", "decode"):
+            inst["throughput"] = fake.throughput
+    forged = forge(
+        Plan.model_validate(data),
+        lambda i: (i.model, i.phase) != ("phi-4", "decode") or i.key == first.key,
+        {},
+    )
+    catalog, cards = perf().catalog, perf().cards
+    assert others(plan_problems(forged, f, catalog, cards), "phi-4") == []
+    assert plan_problems(forged, f, catalog, cards) == []  # self-consistent without the library
+    problems = plan_problems(forged, f, catalog, cards, library)
+    assert any(ref in p and "the library's" in p for p in problems), problems
+    assert plan_problems(plan, f, catalog, cards, library) == []
