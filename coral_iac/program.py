@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -34,11 +33,10 @@ from typing import Any
 
 import pulumi
 from pulumi.runtime.sync_await import _sync_await
-from rich.console import Console
-from rich.table import Table
 
 from coral_iac.bootstrap import node_boots
 from coral_iac.components import ServingInstance, ServingInstanceArgs
+from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
@@ -49,7 +47,7 @@ from solver.operations.reconfiguration import FleetState, router_peers, transiti
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.planner import plan_with_library
-from solver.plan.schema import Instance, Plan, diff_plans, template_ref
+from solver.plan.schema import Instance, Plan, template_ref
 from solver.stack import FLEET_KEY, FleetConfig, parse_fleet
 from solver.templates.instance_model import InstanceModel
 
@@ -328,42 +326,6 @@ def _without_removed_models(state: FleetState, fleet: FleetConfig) -> FleetState
     )
     kept = {k: m for k, m in state.members.items() if m.instance.model in fleet.models}
     return state.model_copy(update={"members": kept})
-
-
-def cost_diff_table(previous: Plan | None, plan: Plan, state: FleetState | None = None) -> str:
-    """One screen: $/hour per model before and after, instances added and removed; with the
-    fleet state, also what the instances leaving the plan still cost this interval."""
-    empty = plan.model_copy(update={"instances": [], "hourly_cost_usd": 0.0})
-    diff = diff_plans(previous or empty, plan)
-    table = Table(
-        title=f"Coral plan: {plan.hourly_cost_usd:,.2f} $/hour "
-        f"({diff['hourly_cost_delta_usd']:+,.2f}), served {plan.served_fraction:.1%}"
-    )
-    for col in ("model", "$/hour before", "$/hour after", "added", "removed"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for model, row in diff["by_model"].items():
-        table.add_row(
-            model,
-            f"{row['before']:,.2f}",
-            f"{row['after']:,.2f}",
-            str(row["added"]),
-            str(row["removed"]),
-        )
-    buffer = io.StringIO()
-    console = Console(file=buffer, width=100, force_terminal=False)
-    console.print(table)
-    if state is not None:
-        by = state.by_state()
-        leaving = [state.members[k] for k in by["retiring"] + by["draining"]]
-        cost = sum(m.instance.usd_per_hour for m in leaving)
-        # Short lines: the CLI reprints this on an 80-column console.
-        console.print(
-            f"Instances: {len(by['ready'])} ready, {len(by['starting'])} starting, "
-            f"{len(by['retiring'])} retiring, {len(by['draining'])} draining.\n"
-            f"Leaving ones cost {cost:,.2f} $/hour this interval; all declared: "
-            f"{state.hourly_cost_usd():,.2f} $/hour."
-        )
-    return buffer.getvalue()
 
 
 def run(options: ProgramOptions | None = None) -> dict[str, Any]:

@@ -46,7 +46,7 @@ def preview(
     ] = None,
 ) -> None:
     """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
-    from coral_iac.program import cost_diff_table
+    from coral_iac.cost_report import cost_diff_table
     from solver.operations.reconfiguration import FleetState
 
     result, running = _run(stack, previous, library)
