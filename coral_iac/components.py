@@ -161,7 +161,7 @@ def _gcp_node(
             )
         ]
     digest = hashlib.sha256(args.replica_key.encode()).hexdigest()[:10]
-    labels = {k.replace("coral:", "coral-"): _label(v) for k, v in tags.items()}
+    labels = {k.replace("coral:", "coral-"): gcp_label(v) for k, v in tags.items()}
     return gcp.compute.Instance(
         name,
         name=f"coral-{args.stack}-{digest}-n{tags['coral:node']}"[:63],
@@ -210,7 +210,7 @@ def _router(prefill_ips: list[str]) -> RouterSpec:
     )
 
 
-def _label(value: str) -> str:
+def gcp_label(value: str) -> str:
     """GCP label values: lowercase letters, digits, - and _, at most 63 characters."""
     out = "".join(c if c.isalnum() or c in "-_" else "_" for c in value.lower())
     return out[:63]

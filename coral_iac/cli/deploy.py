@@ -46,6 +46,7 @@ def preview(
     ] = None,
 ) -> None:
     """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
+    from coral_iac.components import gcp_label
     from coral_iac.cost_report import cost_diff_table
     from solver.operations.reconfiguration import FleetState
 
@@ -59,6 +60,9 @@ def preview(
             }
         )
         return
+    state = FleetState.model_validate_json(result.outputs["fleet_state"])
+    # GCP label values are lowercased and stripped of '/' and ':': map them back to the keys.
+    by_label = {gcp_label(key): key for key in state.members}
     by_region: dict[str, list[Any]] = {}
     for n in nodes:
         tags = n.inputs.get("tags") or {}
@@ -66,7 +70,8 @@ def preview(
             replica, node = tags["coral:replica"], tags["coral:node"]
         else:  # GCP labels
             labels = n.inputs.get("labels", {})
-            replica, node = labels.get("coral-replica", n.name), labels.get("coral-node", "?")
+            label = labels.get("coral-replica", "")
+            replica, node = by_label.get(label, label or n.name), labels.get("coral-node", "?")
         region = replica.split("/")[2] if replica.count("/") >= 3 else "?"
         machine = n.inputs.get("instanceType") or n.inputs.get("machineType")
         by_region.setdefault(region, []).append((replica, node, machine, n.name))
@@ -85,7 +90,6 @@ def preview(
         "Shared resources: "
         + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
     )
-    state = FleetState.model_validate_json(result.outputs["fleet_state"])
     out.print(cost_diff_table(running, result.plan, state))
     for model, urls in sorted((result.outputs.get("endpoints") or {}).items()):
         out.print(f"{model}: {', '.join(urls)}  (mock addresses)")
@@ -97,7 +101,10 @@ def preview(
 
 
 def _is_gateway(resource: Any) -> bool:
-    return (resource.inputs.get("tags") or {}).get("coral:role") == "gateway"
+    # AWS tags are a mapping; a GCP instance's `tags` are its network tags (a list), and the
+    # gateway only runs on AWS.
+    tags = resource.inputs.get("tags")
+    return isinstance(tags, dict) and tags.get("coral:role") == "gateway"
 
 
 def render(
