@@ -37,8 +37,6 @@ class GpuType(BaseModel):
     memory_bandwidth_gb_s: float = Field(gt=0, description="Memory bandwidth, GB/s.")
     dense_tflops: float = Field(gt=0, description="Dense BF16 (or FP16 without BF16) TFLOPS.")
     bf16: bool = Field(description="Whether the GPU has BF16 tensor cores.")
-    intra_node_link: Literal["nvlink", "pcie"] = Field(description="GPU-to-GPU link in a node.")
-    intra_node_bandwidth_gb_s: float = Field(gt=0, description="Per-GPU GPU-to-GPU GB/s.")
     interconnect: str | None = Field(
         default=None,
         description="All-reduce model key of its multi-GPU nodes in calibration.yaml `allreduce` "

@@ -45,8 +45,6 @@ CATALOG = Catalog(
             memory_bandwidth_gb_s=1000,
             dense_tflops=100,
             bf16=True,
-            intra_node_link="pcie",
-            intra_node_bandwidth_gb_s=32,
             source="made up for this test",
             retrieved=dt.date(2026, 1, 1),
         )
