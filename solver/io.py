@@ -5,9 +5,13 @@ from __future__ import annotations
 import csv
 import hashlib
 import json
+import math
+import os
+import tempfile
 from importlib import resources
 from pathlib import Path
-from typing import Any, TypeVar
+from types import UnionType
+from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -22,35 +26,177 @@ def data_path(name: str) -> Path:
     return Path(str(resources.files("solver") / "data" / name))
 
 
-def read_yaml(path: Path) -> Any:
-    """Parse a YAML file; a missing file or bad syntax is an InputError naming the file."""
+def read_text(path: Path) -> str:
+    """A UTF-8 text file's contents.
+
+    Raises:
+        InputError: the file cannot be read, or is not UTF-8 (the message names the byte
+            offset, never the file's contents).
+    """
     try:
-        text = path.read_text(encoding="utf-8")
+        data = path.read_bytes()
     except OSError as exc:
         raise InputError(str(path), f"cannot read file ({exc.strerror})", "check the path") from exc
     try:
-        return yaml.safe_load(text)
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(
+            str(path),
+            f"not UTF-8 text (byte 0x{data[exc.start]:02x} at offset {exc.start})",
+            "save the file as UTF-8",
+        ) from exc
+
+
+def read_yaml(path: Path) -> Any:
+    """Parse a YAML file; a missing file, bad syntax, bad encoding or a key given twice in one
+    mapping is an InputError naming the file (and the key path)."""
+    return parse_yaml(read_text(path), str(path))
+
+
+def parse_yaml(text: str, source: str) -> Any:
+    """Parse YAML text, rejecting a mapping that names one key twice (YAML's last-wins rule
+    would silently drop the first value).
+
+    Raises:
+        InputError: bad syntax, or a duplicate key (named by its key path and line).
+    """
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None
+        _reject_duplicate_keys(node, "", source)
+        return loader.construct_document(node)
     except yaml.YAMLError as exc:
-        raise InputError(str(path), f"not valid YAML: {exc}", "fix the syntax") from exc
+        raise InputError(source, f"not valid YAML: {_yaml_problem(exc)}", "fix the syntax") from exc
+    finally:
+        loader.dispose()
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """PyYAML's problem and position, without the snippet of the file it quotes (a file read by
+    mistake, e.g. a key, must not reach a CI log)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        mark = exc.problem_mark or exc.context_mark
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        return f"{exc.problem or exc.context or 'syntax error'}{where}"
+    return type(exc).__name__
+
+
+def _reject_duplicate_keys(node: yaml.Node, path: str, source: str) -> None:
+    """Walk a composed YAML node; a mapping with one key twice is an InputError."""
+    if isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _reject_duplicate_keys(item, f"{path}[{i}]", source)
+        return
+    if not isinstance(node, yaml.MappingNode):
+        return
+    seen: dict[str, int] = {}
+    for key_node, value_node in node.value:
+        key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "<complex key>"
+        where = f"{path}.{key}" if path else key
+        line = key_node.start_mark.line + 1
+        if key in seen and key != "<<":
+            raise InputError(
+                f"{source}: {where}",
+                f"key '{key}' given twice in one mapping (lines {seen[key]} and {line})",
+                "keep one of the two: YAML would silently use only the last",
+            )
+        seen[key] = line
+        _reject_duplicate_keys(value_node, where, source)
 
 
 def validation_error(source: str, exc: ValidationError) -> InputError:
-    """Turn pydantic's error into one InputError naming the first bad field by its path."""
+    """Turn pydantic's error into one InputError naming the first bad field by its path.
+
+    The bad value is quoted only when it is a short scalar: a whole mapping, or a file's
+    contents read as one string, never reaches the message.
+    """
     first = exc.errors()[0]
     loc = ".".join(str(part) for part in first["loc"]) or "<root>"
     more = len(exc.errors()) - 1
-    problem = f"{first['msg']} (got {first.get('input')!r})"
+    problem = f"{first['msg']}{_quoted_input(first.get('input'), bool(first['loc']))}"
     if more:
         problem += f"; and {more} more error(s)"
     return InputError(f"{source}: {loc}", problem, "correct this field in the file")
 
 
+def _quoted_input(value: Any, nested: bool) -> str:
+    if isinstance(value, dict | list | tuple):
+        return f" (got a {type(value).__name__})"
+    text = repr(value)
+    if not nested or len(text) > 80 or "\n" in text:
+        return f" (got a {type(value).__name__} of {len(str(value))} characters)"
+    return f" (got {text})"
+
+
 def parse_model(cls: type[M], data: Any, source: str) -> M:
-    """Validate `data` into `cls`, reporting errors with the field path inside `source`."""
+    """Validate `data` into `cls`, reporting errors with the field path inside `source`.
+
+    Stricter than pydantic's lax mode where lax mode loses meaning: a boolean where a number is
+    expected (YAML reads `yes` as true, which would become 1.0) and a non-finite number
+    (`.inf`, `.nan`, "inf") are errors naming the field.
+    """
+    check_numbers(cls, data, source)
     try:
         return cls.model_validate(data)
     except ValidationError as exc:
         raise validation_error(source, exc) from exc
+
+
+def check_numbers(cls: type[BaseModel], data: Any, source: str) -> None:
+    """Reject booleans and non-finite values given for a number field of `cls`, recursively.
+
+    Raises:
+        InputError: naming the field's path, the value and the fix.
+    """
+    if not isinstance(data, dict):
+        return
+    for name, field in cls.model_fields.items():
+        key = field.alias or name
+        if key in data:
+            _check_value(field.annotation, data[key], key, source)
+
+
+def _check_value(annotation: Any, value: Any, where: str, source: str) -> None:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin in (Union, UnionType):
+        for arg in args:
+            _check_value(arg, value, where, source)
+    elif annotation in (float, int):
+        _check_number(value, where, source)
+    elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        if isinstance(value, dict):
+            for name, field in annotation.model_fields.items():
+                key = field.alias or name
+                if key in value:
+                    _check_value(field.annotation, value[key], f"{where}.{key}", source)
+    elif origin in (list, tuple) and isinstance(value, list) and args:
+        for i, item in enumerate(value):
+            _check_value(args[0], item, f"{where}[{i}]", source)
+    elif origin is dict and isinstance(value, dict) and len(args) == 2:
+        for k, item in value.items():
+            _check_value(args[1], item, f"{where}.{k}", source)
+
+
+def _check_number(value: Any, where: str, source: str) -> None:
+    if isinstance(value, bool):
+        raise InputError(
+            f"{source}: {where}",
+            f"expected a number, got the boolean {str(value).lower()} (YAML reads yes/no/on/off "
+            "as booleans)",
+            "write a number, e.g. 100",
+        )
+    try:
+        number = float(value) if isinstance(value, int | float | str) else 0.0
+    except (ValueError, OverflowError):
+        return  # not a number at all: pydantic names it
+    if not math.isfinite(number):
+        raise InputError(
+            f"{source}: {where}",
+            f"must be a finite number, got {value!r}",
+            "write a finite number (no .inf or .nan)",
+        )
 
 
 def load_yaml_model(cls: type[M], path: Path) -> M:
@@ -65,28 +211,23 @@ def read_two_column_csv(path: Path) -> list[tuple[float, float]]:
         InputError: naming the file and line of a malformed row.
     """
     rows: list[tuple[float, float]] = []
-    try:
-        handle = path.open(encoding="utf-8", newline="")
-    except OSError as exc:
-        raise InputError(str(path), f"cannot read file ({exc.strerror})", "check the path") from exc
-    with handle:
-        for line_no, row in enumerate(csv.reader(handle), start=1):
-            if not row or not "".join(row).strip():
-                continue
-            if len(row) != 2:
-                raise InputError(
-                    f"{path}:{line_no}",
-                    f"expected 2 columns (x, ms_per_layer), got {len(row)}: {row}",
-                    "write one 'x,ms' pair per line, no header",
-                )
-            try:
-                rows.append((float(row[0]), float(row[1])))
-            except ValueError as exc:
-                raise InputError(
-                    f"{path}:{line_no}",
-                    f"not a number: {row}",
-                    "write one 'x,ms' pair per line, no header",
-                ) from exc
+    for line_no, row in enumerate(csv.reader(read_text(path).splitlines()), start=1):
+        if not row or not "".join(row).strip():
+            continue
+        if len(row) != 2:
+            raise InputError(
+                f"{path}:{line_no}",
+                f"expected 2 columns (x, ms_per_layer), got {len(row)}: {row}",
+                "write one 'x,ms' pair per line, no header",
+            )
+        try:
+            rows.append((float(row[0]), float(row[1])))
+        except ValueError as exc:
+            raise InputError(
+                f"{path}:{line_no}",
+                f"not a number: {row}",
+                "write one 'x,ms' pair per line, no header",
+            ) from exc
     return rows
 
 
@@ -94,3 +235,44 @@ def digest(obj: Any) -> str:
     """A short stable hash of a JSON-able value (keys sorted): names an input in hashes."""
     text = json.dumps(obj, sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def write_atomic(path: Path, content: str | bytes) -> None:
+    """Write a file all at once: to a temporary file beside it, then renamed over it.
+
+    A reader (or a crash, or Ctrl-C) sees the old file or the new one, never half of one; the
+    old file is untouched when writing fails. Missing parent folders are created.
+
+    Raises:
+        InputError: the file or its folder cannot be written (e.g. `path` is a folder).
+    """
+    data = content.encode("utf-8") if isinstance(content, str) else content
+    if path.is_dir():
+        raise InputError(str(path), "is a folder", "give a file path")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise InputError(
+            str(path), f"cannot write here ({exc.strerror})", "choose a writable path"
+        ) from exc
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.chmod(tmp, 0o666 & ~_umask())
+        os.replace(tmp, path)
+    except BaseException as exc:
+        Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise InputError(
+                str(path), f"cannot write here ({exc.strerror})", "choose a writable path"
+            ) from exc
+        raise
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
