@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver.catalog.offers import Catalog
-from solver.errors import InputError
+from solver.errors import InputError, unknown_value
 from solver.stack import FleetConfig
 
 RegionId = tuple[str, str]  # (cloud, region)
@@ -54,8 +54,11 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
     """The stack's market: catalog offers in its regions and node configs, then its overrides.
 
     Raises:
-        InputError: an availability override for a node no offer or price override prices.
+        InputError: a region no offer or price override sells in (with the closest known
+            ones), an availability override for a node no offer or price override prices, or
+            no node config available in any region (a plan could only be empty).
     """
+    check_regions(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
     wanted = set(fleet.node_configs)
     price: dict[Slot, float] = {}
@@ -82,4 +85,51 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
         ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
     }
     gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
-    return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
+    market = Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
+    _check_something_available(market, fleet)
+    return market
+
+
+def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
+    """Every region of the stack is one the catalog sells in for its cloud, or one the stack
+    prices itself (`prices`); a misspelt one would otherwise be silently empty.
+
+    Raises:
+        InputError: naming `coral:fleet.regions[i].region`, with the closest known regions and,
+            when the region belongs to the other cloud, the cloud to set.
+    """
+    priced = {(p.cloud, p.region) for p in fleet.prices}
+    sold = set(catalog.regions)
+    for i, r in enumerate(fleet.regions):
+        if (r.cloud, r.region) in sold or (r.cloud, r.region) in priced:
+            continue
+        field = f"coral:fleet.regions[{i}].region"
+        known = [name for cloud, name in sold if cloud == r.cloud]
+        guess = unknown_value(field, r.region, known, f"{r.cloud} region")
+        problem = guess.problem + " (the catalog sells no node config there)"
+        other = sorted(cloud for cloud, name in sold if name == r.region and cloud != r.cloud)
+        if other:
+            problem += f"; {r.region} is a region of {other[0]}"
+        fix = (f"set cloud: {other[0]}, or " if other else "") + guess.fix
+        raise InputError(
+            field, problem, fix + " (or price it under coral:fleet.prices)", guess.suggestions
+        )
+
+
+def _check_something_available(market: Market, fleet: FleetConfig) -> None:
+    """At least one (region, node config) of the stack has a node to rent.
+
+    Raises:
+        InputError: every slot has availability 0, so any plan would have no instance.
+    """
+    if any(market.available[slot] > 0 for slot in market.price):
+        return
+    regions = ", ".join(f"{r.cloud}:{r.region}" for r in fleet.regions)
+    offered = "; ".join(f"{region_name(r)} {n}" for r, n in market.price) or "none"
+    raise InputError(
+        "coral:fleet.availability",
+        f"no node config of node_configs ({', '.join(fleet.node_configs)}) is available in any "
+        f"region of the stack ({regions}); offered slots, all with 0 nodes: {offered}",
+        "raise a count under coral:fleet.availability, or add regions or node_configs the "
+        "catalog offers (`coral catalog show`)",
+    )
