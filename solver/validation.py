@@ -1,0 +1,71 @@
+"""Checks of user input that need more than one field or file: stack names, models vs cards."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+
+from solver.catalog.model_cards import ModelCard
+from solver.errors import InputError, unknown_value
+from solver.stack import FleetConfig
+
+# What `pulumi stack init` accepts for a stack's own name (no org/project prefix): letters,
+# digits, '-', '_' and '.', at most 100 characters.
+STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
+STACK_NAME_MAX = 100
+
+
+def check_stack_name(name: str, field: str = "--stack") -> str:
+    """`name` if Pulumi would accept it as a stack name.
+
+    Args:
+        name: the stack name, e.g. from `--stack`.
+        field: the option or key it came from, for the message.
+
+    Returns:
+        The name, unchanged.
+
+    Raises:
+        InputError: empty, longer than 100 characters, or a character Pulumi rejects (a '/'
+            would also leave the stacks folder).
+    """
+    if STACK_NAME.match(name) and name not in (".", ".."):
+        return name
+    if len(name) > STACK_NAME_MAX:
+        problem = f"stack name of {len(name)} characters (Pulumi allows {STACK_NAME_MAX})"
+    elif not name:
+        problem = "empty stack name"
+    else:
+        bad = sorted({c for c in name if not re.match(r"[A-Za-z0-9_.-]", c)}) or [name]
+        problem = f"stack name {name!r} has characters Pulumi rejects: {' '.join(map(repr, bad))}"
+    raise InputError(
+        field,
+        problem,
+        "use letters, digits, '-', '_' and '.', at most 100 characters (e.g. dev)",
+    )
+
+
+def check_models_against_cards(fleet: FleetConfig, cards: Mapping[str, ModelCard]) -> None:
+    """Every model of the stack has a card, and its mean request fits the model's context.
+
+    Args:
+        fleet: the stack's fleet.
+        cards: the model cards by id (`load_model_cards()`).
+
+    Raises:
+        InputError: an unknown model id (with the closest ids), or a mean prompt plus output
+            longer than the card's `max_context` (named by its key path).
+    """
+    for model, spec in fleet.models.items():
+        if model not in cards:
+            raise unknown_value(f"coral:fleet.models.{model}", model, cards, "model")
+        context = cards[model].max_context
+        total = spec.mean_prompt_tokens + spec.mean_output_tokens
+        if total > context:
+            raise InputError(
+                f"coral:fleet.models.{model}.mean_prompt_tokens",
+                f"mean prompt {spec.mean_prompt_tokens:g} + output {spec.mean_output_tokens:g} "
+                f"tokens = {total:g}, above the model's context of {context} tokens",
+                f"use a workload whose requests fit {context} tokens "
+                "(`coral catalog models` lists each model's context)",
+            )
