@@ -18,6 +18,7 @@ from typing import Any
 
 import httpx
 
+from coral_iac.project import confined, project_root
 from solver.errors import InputError
 from solver.operations.demand_rules import (
     GENERATION_METRIC,
@@ -43,8 +44,15 @@ class PrometheusUnreachable(InputError):
 
 
 def demand_file_path(fleet: FleetConfig, stack: str, stacks_dir: Path) -> Path:
-    """The stack's demand file: `demand_source.file` or `demand/<stack>.yaml`, under stacks/."""
-    return stacks_dir / (fleet.demand_source.file or f"demand/{stack}.yaml")
+    """The stack's demand file: `demand_source.file` or `demand/<stack>.yaml`, under stacks/.
+
+    Raises:
+        InputError: the path leaves the project (an absolute path, `..`, or a symlink out): a
+            stack file must not make Coral read, or print, a file such as a private key.
+    """
+    path = stacks_dir / (fleet.demand_source.file or f"demand/{stack}.yaml")
+    root = project_root(stacks_dir) or stacks_dir.resolve().parent
+    return confined(path, "coral:fleet.demand_source.file", root)
 
 
 def query_vector(
@@ -152,8 +160,32 @@ def _with_url(settings: PrometheusSource, url: str | None) -> PrometheusSource:
     """The settings with another Prometheus URL: `url` (e.g. --prometheus), else the
     CORAL_PROMETHEUS_URL environment variable (one override for the CLI and the program, e.g.
     from a CI runner inside the fleet's network), else the stack's."""
+    field = "--prometheus" if url else URL_ENV
     url = url or os.environ.get(URL_ENV)
-    return settings if not url else settings.model_copy(update={"url": url})
+    if not url:
+        checked_url(settings.url, URL_FIELD)
+        return settings
+    return settings.model_copy(update={"url": checked_url(url, field)})
+
+
+def checked_url(url: str, field: str) -> str:
+    """`url` if it is an http(s) URL with a host (what Prometheus's API needs).
+
+    Raises:
+        InputError: naming `field` (the option or environment variable) and the bad URL.
+    """
+    try:
+        parsed = httpx.URL(url)
+        ok = parsed.scheme in ("http", "https") and bool(parsed.host)
+    except (httpx.InvalidURL, TypeError, ValueError):
+        ok = False
+    if not ok:
+        raise InputError(
+            field,
+            f"not an http(s) URL with a host: {url!r:.200}",
+            "give Prometheus's base URL, e.g. http://prometheus.internal:9090",
+        )
+    return url
 
 
 def resolve_demand(

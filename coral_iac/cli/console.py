@@ -17,15 +17,49 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
 from rich.text import Text
 
+from coral_iac import project
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
-from solver.errors import CoralError
+from solver.errors import CoralError, InputError
 
 # Errors and warnings are not hard-wrapped, so a path or command in them stays copyable.
 err = Console(stderr=True, soft_wrap=True)
 out = Console()
 F = TypeVar("F", bound=Callable[..., Any])
-STACKS_DIR = STACKS_FOLDER  # relative to the Pulumi project, where `coral` runs
-LIBRARY_ROOT = LIBRARY_FOLDER  # the default library cache, one folder per stack
+# Relative to the project root. Commands use `stacks_dir()` and `library_root()`, which find
+# the root from any subfolder (the nearest Pulumi.yaml upwards), as Pulumi does.
+STACKS_DIR = STACKS_FOLDER
+LIBRARY_ROOT = LIBRARY_FOLDER
+
+
+def stacks_dir() -> Path:
+    """The project's stacks folder, from the working directory (any subfolder of the project)."""
+    return project.stacks_dir()
+
+
+def library_root() -> Path:
+    """The project's library cache (one folder per stack), from the working directory."""
+    return project.library_root()
+
+
+def load_stack_named(stack: str) -> Any:
+    """The stack's `FleetConfig`, its name checked as Pulumi would and found from any subfolder.
+
+    Raises:
+        InputError: a name Pulumi rejects, no stacks folder (not inside a Coral project), an
+            unknown stack (with the known ones), or a bad stack file.
+    """
+    from solver.stack import load_stack
+    from solver.validation import check_stack_name
+
+    check_stack_name(stack)
+    folder = stacks_dir()
+    if not folder.is_dir():
+        raise InputError(
+            "--stack",
+            f"no stacks folder {folder} (no {project.PROJECT_FILE} in {Path.cwd()} or above it)",
+            "run coral inside a Coral project (a folder with Pulumi.yaml and stacks/)",
+        )
+    return load_stack(folder, stack)
 
 
 def reports_errors(fn: F) -> F:
@@ -52,8 +86,14 @@ def print_json(data: Any) -> None:
     sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
 
 
-def progress_bar() -> Progress:
-    """The bar long commands show on stderr: description, bar, done/total, elapsed."""
+def progress_bar() -> Progress | PlainProgress:
+    """The bar long commands show on stderr: description, bar, done/total, elapsed.
+
+    When stderr is not a terminal (CI logs, a pipe), plain lines instead: a redrawn bar would
+    print nothing there until the end.
+    """
+    if not err.is_terminal:
+        return PlainProgress()
     return Progress(
         "{task.description}",
         BarColumn(),
@@ -62,6 +102,52 @@ def progress_bar() -> Progress:
         console=err,
         transient=True,
     )
+
+
+class PlainProgress:
+    """Progress as plain lines on stderr ("templates phi-4 prefill: 512/2048 (25%)"), one per
+    quarter done and one at the end; the subset of `rich.progress.Progress` commands use."""
+
+    STEPS = 4
+
+    def __init__(self) -> None:
+        self.tasks: dict[int, list[Any]] = {}  # id -> [description, total, done, quarters shown]
+
+    def __enter__(self) -> PlainProgress:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def add_task(self, description: str, total: float | None = None, **_: Any) -> int:
+        self.tasks[len(self.tasks)] = [description, total, 0.0, 0]
+        return len(self.tasks) - 1
+
+    def update(
+        self, task: int, completed: float | None = None, total: float | None = None, **_: Any
+    ) -> None:
+        entry = self.tasks[task]
+        if total is not None:
+            entry[1] = total
+        if completed is not None:
+            entry[2] = completed
+        self._report(entry)
+
+    def advance(self, task: int, advance: float = 1) -> None:
+        self.update(task, completed=self.tasks[task][2] + advance)
+
+    def _report(self, entry: list[Any]) -> None:
+        description, total, done, shown = entry
+        if not total:
+            return
+        quarter = min(self.STEPS, int(self.STEPS * done / total))
+        if quarter > shown:
+            entry[3] = quarter
+            err.print(
+                f"{description}: {done:g}/{total:g} ({100 * done / total:.0f}%)",
+                highlight=False,
+                markup=False,
+            )
 
 
 # A shared option of `coral profile` and `coral templates`.

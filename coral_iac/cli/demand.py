@@ -7,7 +7,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.cli.console import STACKS_DIR, err, out, print_json, reports_errors, warn
+from coral_iac.cli.console import (
+    err,
+    load_stack_named,
+    out,
+    print_json,
+    reports_errors,
+    stacks_dir,
+    warn,
+)
 
 demand_app = typer.Typer(
     help="Demand per model: from the stack config, its demand file, or Prometheus.",
@@ -43,10 +51,9 @@ def show(
 ) -> None:
     """The demand `coral plan` and the program use, per model, and where each figure came from."""
     from coral_iac.demand_sources import demand_report
-    from solver.stack import load_stack
 
-    fleet = load_stack(STACKS_DIR, stack)
-    report = demand_report(fleet, stack, STACKS_DIR, prometheus)
+    fleet = load_stack_named(stack)
+    report = demand_report(fleet, stack, stacks_dir(), prometheus)
     rows = [
         _row(fleet.models[m.model], m.model, m.demand) | {"origin": m.origin, "detail": m.detail}
         for m in report.models
@@ -95,10 +102,10 @@ def refresh(
     import sys
 
     from coral_iac.demand_sources import demand_file_path, refresh_file
+    from solver.io import write_atomic
     from solver.operations.demand_rules import demand_file_text
-    from solver.stack import load_stack
 
-    fleet = load_stack(STACKS_DIR, stack)
+    fleet = load_stack_named(stack)
     if fleet.demand_source.kind != "prometheus":
         # Not an error: the scheduled workflow refreshes every stack the same way.
         err.print(
@@ -113,7 +120,6 @@ def refresh(
     if not write:
         sys.stdout.write(text)
         return
-    path = demand_file_path(fleet, stack, STACKS_DIR)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
+    path = demand_file_path(fleet, stack, stacks_dir())
+    write_atomic(path, text)  # a reader (the program, a plan) never sees half a file
     err.print(f"Wrote {path} ({len(doc.demand)} models)")

@@ -12,7 +12,7 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.cli.console import LIBRARY_ROOT, STACKS_DIR, err, out, print_json, reports_errors
+from coral_iac.cli.console import err, library_root, out, print_json, reports_errors, stacks_dir
 
 NODE_TYPES = ("aws:ec2/instance:Instance", "gcp:compute/instance:Instance")
 
@@ -24,10 +24,12 @@ def _run(stack: str, previous: Path | None, library: Path | None) -> Any:
     from coral_iac.preview import preview_stack
     from coral_iac.program import ProgramOptions
     from solver.errors import CoralError
+    from solver.validation import check_stack_name
 
+    check_stack_name(stack)
     running = load_plan(previous) if previous is not None else None
     # Offline, a stale local library is rebuilt, as `coral plan` does.
-    options = ProgramOptions(STACKS_DIR, LIBRARY_ROOT, library, rebuild_stale=True)
+    options = ProgramOptions(stacks_dir(), library_root(), library, rebuild_stale=True)
     try:
         return preview_stack(stack, options, running), running
     except pulumi.RunError as e:
@@ -115,17 +117,78 @@ def render(
         Path | None,
         typer.Option(help="Template-library folder (default .coral/library/<stack>)."),
     ] = None,
+    replace: Annotated[
+        bool,
+        typer.Option(help="Replace the contents of a non-empty --out folder (else refused)."),
+    ] = False,
 ) -> None:
-    """Write every node's rendered cloud-init user-data, one file per node."""
+    """Write every node's rendered cloud-init user-data, one file per node.
+
+    The folder is written whole: into a temporary folder beside it, then swapped in, so it never
+    mixes files of two renders (another stack's, or removed nodes') and a failure leaves it as
+    it was.
+    """
+    check_render_folder(out_dir, replace)
     result, _ = _run(stack, previous, library)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    count = 0
-    for r in result.resources:
-        if r.type not in NODE_TYPES:
-            continue
-        (out_dir / f"{r.name}.yaml").write_text(_user_data(r), encoding="utf-8")
-        count += 1
-    err.print(f"Wrote {count} user-data files to {out_dir}")
+    files = {f"{r.name}.yaml": _user_data(r) for r in result.resources if r.type in NODE_TYPES}
+    write_folder(out_dir, files)
+    err.print(f"Wrote {len(files)} user-data files to {out_dir}")
+
+
+def check_render_folder(out_dir: Path, replace: bool) -> None:
+    """`--out` is a folder that may be written: absent, empty, or `replace` given.
+
+    Raises:
+        InputError: `--out` is a file, or a non-empty folder without `--replace`.
+    """
+    from solver.errors import InputError
+
+    if out_dir.exists() and not out_dir.is_dir():
+        raise InputError("--out", f"{out_dir} is a file, not a folder", "give a folder path")
+    if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
+        count = sum(1 for _ in out_dir.iterdir())
+        raise InputError(
+            "--out",
+            f"{out_dir} is not empty ({count} entries; perhaps another stack's render)",
+            "pass --replace to replace its contents, or choose an empty folder",
+        )
+
+
+def write_folder(out_dir: Path, files: dict[str, str]) -> None:
+    """Write `files` (name -> text) as the whole contents of `out_dir`, swapped in at once.
+
+    Raises:
+        InputError: the folder or its parent cannot be written.
+    """
+    import shutil
+    import tempfile
+
+    from solver.errors import InputError
+
+    staging: Path | None = None
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.new-"))
+        for name, text in files.items():
+            (staging / name).write_text(text, encoding="utf-8")
+        staging.chmod(0o755)
+        if out_dir.exists():
+            old = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}.old-"))
+            out_dir.rename(old / "contents")
+            try:
+                staging.rename(out_dir)
+            except OSError:
+                (old / "contents").rename(out_dir)  # put the previous render back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            staging.rename(out_dir)
+    except OSError as exc:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        raise InputError(
+            "--out", f"cannot write {out_dir} ({exc.strerror})", "choose a writable folder"
+        ) from exc
 
 
 def _user_data(resource: Any) -> str:
