@@ -106,7 +106,7 @@ def main(
             f"{coral.hourly_cost_usd:.2f}",
             f"{coral.served_fraction:.3f}",
             f"{statistics.median(times):.2f}",
-            f"{100 * coral.solver.gap:.2f}%",
+            _gap(coral.solver.gap),
             f"{homo.hourly_cost_usd:.2f}",
             f"{homo.served_fraction:.3f}",
             f"{cauchy.hourly_cost_usd:.2f}",
@@ -149,13 +149,17 @@ def compare_backends(stack: str, backends: list[str], time_limit: float) -> list
             backend,
             p.solver.status,
             f"{p.hourly_cost_usd:.2f}",
-            f"{100 * p.solver.gap:.2f}%",
+            _gap(p.solver.gap),
             f"{p.solver.solve_seconds:.1f}",
         ]
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")
     console.print(table)
     return md
+
+
+def _gap(gap: float | None) -> str:
+    return "unknown" if gap is None else f"{100 * gap:.2f}%"
 
 
 def _ratio(baseline: object, coral: object) -> str:

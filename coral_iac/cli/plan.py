@@ -72,6 +72,8 @@ def plan(
             "--add-only", "the Homo baseline ignores the running plan", "drop one of the two"
         )
     result = make_plan(stack, baseline or "coral", previous, library, workers, add_only)
+    if (line := gap_warning(result)) is not None:
+        warn(line)
     if out_file is not None:
         out_file.parent.mkdir(parents=True, exist_ok=True)
         out_file.write_text(result.model_dump_json(indent=1) + "\n", encoding="utf-8")
@@ -154,6 +156,26 @@ def load_plan(path: Path) -> Any:
     return parse_model(Plan, data, str(path))
 
 
+def gap_warning(p: Any) -> str | None:
+    """A line when the plan's optimality gap is unknown or above the stack's relative_gap."""
+    s = p.solver
+    if s is None:
+        return None
+    if s.gap is None:
+        return (
+            f"the {s.backend} solve stopped after {s.solve_seconds:.1f} s without a bound: this "
+            "plan is feasible but how far it is from the cheapest is unknown (raise "
+            "coral:fleet.allocation.time_limit_s)"
+        )
+    if s.gap > s.relative_gap + 1e-9:
+        return (
+            f"the plan is within {100 * s.gap:.2f}% of the cheapest, above the stack's "
+            f"relative_gap {100 * s.relative_gap:.2f}% (the solve hit its time limit; raise "
+            "coral:fleet.allocation.time_limit_s)"
+        )
+    return None
+
+
 def plan_json(p: Any) -> dict[str, Any]:
     data: dict[str, Any] = p.model_dump(mode="json")
     data["status"] = p.solver.status if p.solver else "greedy"
@@ -193,10 +215,11 @@ def show_plan(p: Any) -> None:
     out.print(table)
     if p.solver:
         s = p.solver
+        bound = "no bound" if s.best_bound is None else f"bound {s.best_bound:,.2f}"
+        gap = "gap unknown" if s.gap is None else f"gap {100 * s.gap:.2f}%"
         err.print(
             f"Solver {s.backend}: {s.status}, objective {s.objective:,.2f} (incl. start-up penalty "
-            f"{p.startup_penalty_usd_per_hour:,.2f}), bound {s.best_bound:,.2f}, gap {100 * s.gap:.2f}%, "
-            f"{s.solve_seconds:.2f} s"
+            f"{p.startup_penalty_usd_per_hour:,.2f}), {bound}, {gap}, {s.solve_seconds:.2f} s"
         )
     for line in p.binding:
         err.print(f"[yellow]Limited by:[/] {line}", highlight=False)

@@ -293,16 +293,36 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
 def _report(model: _Model, status: int, seconds: float) -> SolverReport:
     """What the plan records of the cost solve: status, objective, bound, gap, time."""
     objective = model.solver.Objective().Value()
-    bound = model.solver.Objective().BestBound()
-    gap = 0.0 if objective <= 0 else max(0.0, (objective - bound) / objective)
+    bound = proven_bound(model.solver.Objective().BestBound())
+    gap = relative_gap_of(objective, bound)
     s = model.problem.settings
     return SolverReport(
         backend=s.backend,
         status=STATUS.get(status, str(status)),
         objective=round(objective, 6),
-        best_bound=round(bound, 6),
-        gap=round(gap, 6),
+        best_bound=None if bound is None else round(bound, 6),
+        gap=None if gap is None else round(gap, 6),
         solve_seconds=round(seconds, 4),
         time_limit_s=s.time_limit_s,
         relative_gap=s.relative_gap,
     )
+
+
+SOLVER_INFINITY = 1e19  # SCIP reports "no bound" as -1e20, other backends as -inf
+
+
+def proven_bound(bound: float) -> float | None:
+    """The solver's best bound, or None when it proved none (infinite or SCIP's -1e20)."""
+    return bound if math.isfinite(bound) and abs(bound) < SOLVER_INFINITY else None
+
+
+def relative_gap_of(objective: float, bound: float | None) -> float | None:
+    """(objective - bound) / objective, 0 for an empty plan, None when no bound is known.
+
+    A plan with objective 0 is optimal whatever the bound (costs are never negative).
+    """
+    if objective <= 0:
+        return 0.0
+    if bound is None:
+        return None
+    return max(0.0, (objective - bound) / objective)

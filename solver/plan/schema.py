@@ -51,8 +51,11 @@ class SolverReport(BaseModel):
     backend: str
     status: str = Field(description="optimal, feasible (gap open), or infeasible.")
     objective: float = Field(description="$/hour incl. the start-up penalty.")
-    best_bound: float
-    gap: float = Field(description="(objective - bound) / objective.")
+    best_bound: float | None = Field(description="None: the solver proved no bound.")
+    gap: float | None = Field(
+        description="(objective - bound) / objective; None: unknown (the solve stopped "
+        "without a bound)."
+    )
     solve_seconds: float = Field(description="Wall time of every solve of this plan.")
     time_limit_s: float
     relative_gap: float

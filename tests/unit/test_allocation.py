@@ -580,3 +580,42 @@ def test_cli_add_only_replan_removes_nothing(tmp_path, monkeypatch):
     r = runner.invoke(app, ["plan", "diff", str(first), str(second), "--json"])
     diff = json.loads(r.stdout)
     assert diff["added"] and diff["removed"] == []
+
+
+def test_a_solve_that_proves_no_bound_reports_the_gap_unknown_and_the_cli_warns(
+    tmp_path, monkeypatch
+):
+    """SCIP stopped by its time limit before any bound reports -1e20; the plan once said
+    `gap: 3.46e17` and the CLI called it fine. Now the gap is unknown (None) and it says so."""
+    from ortools.linear_solver import pywraplp
+
+    lib = small_stack_with_library(tmp_path, monkeypatch)
+    monkeypatch.setattr(pywraplp.Objective, "BestBound", lambda self: -1e20)
+    out = tmp_path / "plan.json"
+    r = runner.invoke(app, ["plan", "--stack", "small", "--library", str(lib), "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    solver = json.loads(out.read_text())["solver"]
+    assert solver["gap"] is None and solver["best_bound"] is None
+    text = " ".join(r.output.split())
+    assert "gap unknown" in text and "Warning:" in text and "without a bound" in text
+
+
+@pytest.mark.parametrize(
+    ("gap", "warned"), [(None, "without a bound"), (0.2, "above the stack's"), (0.0, None)]
+)
+def test_the_cli_warns_when_the_gap_is_unknown_or_above_the_stacks(gap, warned):
+    from coral_iac.cli.plan import gap_warning
+
+    p = plan_for(with_rps(3, 4))
+    assert p.solver is not None and p.solver.gap == pytest.approx(0, abs=1e-6)
+    line = gap_warning(p.model_copy(update={"solver": p.solver.model_copy(update={"gap": gap})}))
+    assert (line is None) if warned is None else (warned in (line or ""))
+
+
+def test_gap_of_a_boundless_solve_is_unknown_never_a_huge_number():
+    from solver.allocation.solve import proven_bound, relative_gap_of
+
+    assert proven_bound(-1e20) is None and proven_bound(float("-inf")) is None
+    assert relative_gap_of(213.88, proven_bound(-1e20)) is None
+    assert relative_gap_of(200.0, 199.0) == pytest.approx(0.005)
+    assert relative_gap_of(0.0, None) == 0.0  # an empty plan is optimal
