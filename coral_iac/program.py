@@ -34,7 +34,7 @@ from typing import Any
 import pulumi
 from pulumi.runtime.sync_await import _sync_await
 
-from coral_iac.bootstrap import node_boots
+from coral_iac.bootstrap import instance_engine, node_boots, precision_group_bf16
 from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
@@ -136,6 +136,7 @@ def make_plan(
         options.library_dir(stack),
         previous,
         rebuild_stale=deploy.rebuild_library or options.rebuild_stale,
+        root=options.stacks_dir.parent,
     )
 
 
@@ -156,6 +157,14 @@ def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
         )
     if plan.served_fraction == 0 and plan.jobs:
         problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
+    if not fleet.attainment.accept_below_target:
+        for a in plan.below_target():
+            problems.append(
+                f"{a.model} meets its SLOs for {100 * (a.verified or 0):.1f}% of requests in "
+                f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "
+                "coral:fleet.attainment.rounds, lower the model's slo_attainment, or set "
+                "coral:fleet.attainment.accept_below_target: true to deploy it anyway"
+            )
     for model, cloud, region, phases in plan.unpaired():
         problems.append(
             f"{model} has only {'/'.join(phases)} instances in {cloud}:{region}; a "
@@ -201,8 +210,15 @@ def declare(
             batch_caps[ref] = InstanceModel.serving(perf, template, spec)
         sizes = batch_caps[ref]
         boots = node_boots(
-            max_num_seqs=sizes.max_running,
-            max_num_batched_tokens=sizes.max_prefill_tokens,
+            engine=instance_engine(
+                card=card,
+                max_model_len=deploy.max_model_len,
+                max_num_seqs=sizes.max_running,
+                max_num_batched_tokens=sizes.max_prefill_tokens,
+                bf16=precision_group_bf16(plan, inst, perf.catalog),
+                pair=spec.serving == "disaggregated",
+                gpu_memory_utilization=deploy.gpu_memory_utilization,
+            ),
             template=template,
             layers=card.layers,
             cloud=inst.cloud,  # type: ignore[arg-type]
@@ -211,10 +227,8 @@ def declare(
             replica_key=inst.key,
             hf_repo=card.hf_repo,
             disaggregated=spec.serving == "disaggregated",
-            max_model_len=deploy.max_model_len,
             api_port=deploy.api_port,
             hf_token_secret=deploy.hf_token_secret,
-            gpu_memory_utilization=deploy.gpu_memory_utilization,
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads

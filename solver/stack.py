@@ -67,6 +67,21 @@ class ModelSpec(BaseModel):
         description="disaggregated: prefill and decode replicas (the paper's default); "
         "aggregated: one replica serves both phases (capacity in requests/s).",
     )
+    slo_attainment: float = Field(
+        default=0.9,
+        ge=0.5,
+        le=0.999,
+        description="Share of requests that must meet both the TTFT and the TPOT SLO. The "
+        "planner buys capacity for it and `coral plan` verifies it by simulation "
+        "(docs/slo-attainment.md).",
+    )
+    workload_trace: str | None = Field(
+        default=None,
+        description="A request trace the plan is judged on: a packaged one (azure-conv-2023, "
+        "azure-code-2023) or a CSV in the project (timestamp,prompt,output). Its time is "
+        "scaled to the demand and its lengths to the mean lengths above. Default: generated "
+        "requests shaped like `workload`.",
+    )
 
     def phase_demand(self) -> dict[LibPhase, float]:
         """Demand per library phase: tokens/s for prefill/decode, requests/s for aggregated.
@@ -171,8 +186,8 @@ class AllocationSettings(BaseModel):
         default=1.0,
         gt=0,
         le=1,
-        description="Plan capacity = demand / this. 1.0 is the paper's formulation; the "
-        "simulator shows queueing then breaks SLOs, so production stacks should use less.",
+        description="Expert override: capacity = demand / this, on top of the capacity at the "
+        "models' SLO attainment targets (which is how headroom is bought; leave it at 1.0).",
     )
     budget_usd_per_hour: float | None = Field(default=None, gt=0)
     colocate_phases: bool = Field(
@@ -202,6 +217,39 @@ class AllocationSettings(BaseModel):
     def startup_penalty_k(self) -> float:
         """K = start-up time / adjustment interval: a new instance pays K x its $/hour."""
         return self.boot_minutes / self.adjustment_interval_minutes
+
+
+class AttainmentSettings(BaseModel):
+    """How `coral plan` sizes capacity for the models' SLO attainment targets and checks it."""
+
+    model_config = FROZEN
+    rounds: int = Field(
+        default=4,
+        ge=0,
+        le=10,
+        description="Closed-loop re-plans at most: simulate the plan on the planning workload "
+        "and raise the headroom of each (model, phase) that falls short. 0: the capacity "
+        "model alone.",
+    )
+    planning_minutes: float = Field(
+        default=30,
+        gt=0,
+        le=240,
+        description="Simulated minutes per closed-loop round (as long as the verification: "
+        "shorter windows see fewer of the rare long queues and read high).",
+    )
+    verify_minutes: float = Field(
+        default=30,
+        ge=0,
+        le=240,
+        description="Simulated minutes of the verification, on a seed (or trace window) the "
+        "planner never used; 0 skips it (the plan then has no verified attainment).",
+    )
+    accept_below_target: bool = Field(
+        default=False,
+        description="Let the Pulumi program deploy a plan whose verified attainment is below "
+        "a model's target (it refuses by default).",
+    )
 
 
 DemandKind = Literal["config", "file", "prometheus"]
@@ -282,6 +330,7 @@ class FleetConfig(BaseModel):
     gpu_pools: list[GpuPool] = Field(default_factory=list)
     prices: list[PriceOverride] = Field(default_factory=list)
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
+    attainment: AttainmentSettings = Field(default_factory=AttainmentSettings)
     demand_source: DemandSource = Field(
         default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
     )

@@ -46,7 +46,11 @@ def plan(
     ] = None,
     workers: Annotated[int, typer.Option(help="Worker processes for a library build.")] = 2,
     strict: Annotated[
-        bool, typer.Option(help="Exit 3 when demand cannot be fully served.")
+        bool,
+        typer.Option(
+            help="Exit 3 (and leave --out untouched) when demand cannot be fully served or a "
+            "model's verified SLO attainment is below its target."
+        ),
     ] = False,
     add_only: Annotated[
         bool,
@@ -74,16 +78,28 @@ def plan(
     result = make_plan(stack, baseline or "coral", previous, library, workers, add_only)
     if (line := gap_warning(result)) is not None:
         warn(line)
-    if out_file is not None:
-        out_file.parent.mkdir(parents=True, exist_ok=True)
-        out_file.write_text(result.model_dump_json(indent=1) + "\n", encoding="utf-8")
+    failed = result.served_fraction < 1 or bool(result.below_target())
+    write = out_file is not None and not (strict and failed)
+    if write:
+        from solver.io import write_atomic
+
+        assert out_file is not None
+        write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
     if as_json:
         print_json(plan_json(result))
     else:
         show_plan(result)
-        if out_file is not None:
+        if write:
             err.print(f"Wrote {out_file}")
-    if strict and result.served_fraction < 1:
+    for a in result.below_target():
+        warn(
+            f"{a.model}: SLO attainment {100 * (a.verified or 0):.1f}% on the verification "
+            f"workload, {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
+            f"{a.cause}"
+        )
+    if strict and failed:
+        if out_file is not None:
+            err.print(f"Left {out_file} as it was (--strict).")
         raise typer.Exit(EXIT_SCARCE)
 
 
@@ -133,6 +149,8 @@ def make_plan(
             method,  # type: ignore[arg-type]
             workers,
             progress,
+            root=STACKS_DIR.parent,
+            on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
         )
 
 
@@ -213,6 +231,8 @@ def show_plan(p: Any) -> None:
             f"{job.usd_per_hour:,.2f}",
         )
     out.print(table)
+    if p.attainment:
+        out.print(attainment_table(p))
     if p.solver:
         s = p.solver
         bound = "no bound" if s.best_bound is None else f"bound {s.best_bound:,.2f}"
@@ -223,6 +243,31 @@ def show_plan(p: Any) -> None:
         )
     for line in p.binding:
         err.print(f"[yellow]Limited by:[/] {line}", highlight=False)
+
+
+def attainment_table(p: Any) -> Table:
+    """Per model: SLO attainment target, on the planning workload, and verified on another."""
+    table = Table(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
+    for col in ("model", "workload", "target", "planned", "verified", "headroom", ""):
+        table.add_column(col, justify="left" if col in ("model", "workload", "") else "right")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    for a in p.attainment:
+        status = "[green]meets[/]" if a.verified is not None and not a.short_by else ""
+        if a.short_by:
+            status = f"[red]short {100 * a.short_by:.1f} pts[/]"
+        table.add_row(
+            a.model,
+            a.workload,
+            pct(a.target),
+            pct(a.planned),
+            f"{pct(a.verified)} ({a.verified_minutes:g} min)",
+            " ".join(f"{ph} {k:g}" for ph, k in a.headroom.items()),
+            status,
+        )
+    return table
 
 
 @plan_app.command("diff")

@@ -71,16 +71,28 @@ def plan_from_solution(
     columns: list[Column],
     solution: Solution,
     libs: dict[Job, Library],
+    factors: dict[str, float] | None = None,
 ) -> Plan:
-    """Assemble a plan: stable instance keys, costs per model and phase, demand vs supply."""
+    """Assemble a plan: stable instance keys, costs per model and phase, demand vs supply.
+
+    Columns carry each template's capacity at the SLO target (`factors` x its library
+    throughput); the plan records the library's template and the factor.
+    """
     instances: list[Instance] = []
     templates = {}
+    used_factors: dict[str, float] = {}
+    originals = {
+        template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
+    }
     k = fleet.allocation.startup_penalty_k
     penalty = 0.0
     for i in sorted(solution.counts, key=lambda i: columns[i].running_key):
         c, n = columns[i], solution.counts[i]
         (cloud, region), (model, phase) = c.region, c.job
-        templates[template_ref(model, phase, c.template.key)] = c.template
+        ref = template_ref(model, phase, c.template.key)
+        templates[ref] = originals.get(ref, c.template)
+        if factors is not None:
+            used_factors[ref] = factors[ref]
         for idx in range(n):
             instances.append(
                 Instance(
@@ -141,6 +153,7 @@ def plan_from_solution(
             "demand": digest(sorted(demand.items())),
             "allocation": digest(fleet.allocation.model_dump()),
         },
+        capacity_factors=used_factors,
     )
 
 
@@ -151,13 +164,28 @@ def plan_stack(
     libs: dict[Job, Library],
     previous: Plan | None = None,
     method: Method = "coral",
+    factors: dict[str, float] | None = None,
 ) -> Plan:
-    """Solve the allocation for a stack (or run a baseline) and assemble the plan."""
+    """Solve the allocation for a stack (or run a baseline) and assemble the plan.
+
+    `factors` (template ref -> capacity at the SLO target / throughput, from
+    `solver.plan.attainment`) scale each template's throughput; a template with factor 0 is
+    not offered. None: every template at its library throughput (the paper's formulation).
+    """
     from solver.allocation.baselines import cauchy_columns, homo_solution
 
     demand = stack_demand(fleet)
     market = build_market(fleet, catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
+    if factors is not None:
+        templates = {
+            job: [
+                t.model_copy(update={"throughput": t.throughput * f})
+                for t in ts
+                if (f := factors[template_ref(*job, t.key)]) > 0
+            ]
+            for job, ts in templates.items()
+        }
     columns = make_columns(templates, market, demand)
     # Capacity to buy: demand over the target utilization (headroom for queueing).
     needed = capacity_needed(fleet, demand)
@@ -169,7 +197,9 @@ def plan_stack(
         running = previous.counts() if previous is not None else {}
         problem = Problem(needed, columns, market, fleet.allocation, running)
         solution = solve_allocation(problem)
-    return plan_from_solution(stack, method, fleet, market, demand, columns, solution, libs)
+    return plan_from_solution(
+        stack, method, fleet, market, demand, columns, solution, libs, factors
+    )
 
 
 def plan_with_library(
@@ -182,15 +212,25 @@ def plan_with_library(
     workers: int = 2,
     progress: Callable[[Job, int, int], None] | None = None,
     rebuild_stale: bool = True,
+    root: Path | None = None,
+    on_round: Callable[[str], None] | None = None,
 ) -> Plan:
-    """Load (or build) the stack's libraries from `directory`, plan, and validate the plan.
+    """Load (or build) the stack's libraries from `directory`, plan for the models' SLO
+    attainment targets, verify by simulation, and validate the plan.
 
-    What `coral plan` and the Pulumi program both run.
+    What `coral plan` and the Pulumi program both run. `root`: the project folder that
+    relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round.
     """
+    from solver.plan.attainment import plan_to_target
+
     libs = libraries_for(
         perf, fleet, list(stack_demand(fleet)), directory, True, workers, progress, rebuild_stale
     )
-    plan = plan_stack(stack, fleet, perf.catalog, libs, previous, method)
+
+    def solve(factors: dict[str, float]) -> Plan:
+        return plan_stack(stack, fleet, perf.catalog, libs, previous, method, factors)
+
+    plan = plan_to_target(fleet, perf, libs, solve, root, on_round)
     library = {
         template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
     }

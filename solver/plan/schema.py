@@ -61,6 +61,33 @@ class SolverReport(BaseModel):
     relative_gap: float
 
 
+class ModelAttainment(BaseModel):
+    """A model's SLO attainment: its target, what the planner measured on its planning
+    workload, and what a simulation on a workload it never saw gives (`coral plan` verifies)."""
+
+    model_config = FROZEN
+    model: str
+    target: float = Field(description="Share of requests that must meet both SLOs.")
+    workload: str = Field(description="What it is judged on: a trace or a generated shape.")
+    planned: float | None = Field(description="Attainment on the planning workload.")
+    verified: float | None = Field(
+        description="Attainment on the verification workload (another seed or trace window); "
+        "None when verification is off."
+    )
+    verified_requests: int = 0
+    verified_minutes: float = 0.0
+    headroom: dict[str, float] = Field(
+        default_factory=dict,
+        description="phase -> the closed loop's correction of the capacity model (1 = none).",
+    )
+    cause: str = Field(default="", description="Why it falls short, when it does.")
+
+    @property
+    def short_by(self) -> float:
+        """Points below the target on the verification workload (0 when it meets it)."""
+        return max(0.0, self.target - self.verified) if self.verified is not None else 0.0
+
+
 class Plan(BaseModel):
     model_config = FROZEN
     format: Literal[1] = 1
@@ -79,6 +106,18 @@ class Plan(BaseModel):
     binding: list[str] = Field(description="Constraints that limit the plan, in words.")
     solver: SolverReport | None = Field(description="None for greedy baselines.")
     input_hashes: dict[str, str]
+    capacity_factors: dict[str, float] = Field(
+        default_factory=dict,
+        description="<model>/<phase>/<template key> -> capacity at the SLO attainment target / "
+        "the template's throughput; each instance's `throughput` is the template's times this.",
+    )
+    attainment: list[ModelAttainment] = Field(
+        default_factory=list, description="Per model: SLO attainment target, planned, verified."
+    )
+
+    def below_target(self) -> list[ModelAttainment]:
+        """Models whose verified attainment is below their target."""
+        return [a for a in self.attainment if a.short_by > 0]
 
     def unpaired(self, models: set[str] | None = None) -> list[tuple[str, str, str, list[str]]]:
         """(model, cloud, region, phases) where a disaggregated model runs only prefill or only

@@ -7,7 +7,9 @@ It recomputes, from the stack, the catalog and the model cards alone:
 - each (model, phase)'s demand, from the stack (never the plan's own figures), that every job
   of the stack is in the plan, and demand cover: every job gets at least the served fraction x
   demand / `allocation.target_utilization` (the planner's capacity rule), where the served
-  fraction may be no more than what the instances deliver;
+  fraction may be no more than what the instances deliver, and an instance delivers its
+  template's throughput times the plan's capacity factor for it (in (0, 1]: capacity at the SLO
+  attainment target never exceeds the template's throughput);
 - colocated prefill and decode (`allocation.colocate_phases`) and the budget, for every method;
 - that every template belongs to its model and phase, serves every layer once, and was built
   for the stack's current SLO;
@@ -139,12 +141,19 @@ def _instance_problems(
             price += market.price[(region, n)]
     if abs(price - inst.usd_per_hour) > 1e-4:
         out.append(f"{inst.key}: costs {price:.4f} $/h, the plan says {inst.usd_per_hour}")
-    if abs(inst.throughput - t.throughput) > TOL * max(1.0, t.throughput):
-        out.append(f"{inst.key}: throughput {inst.throughput} != template {t.throughput}")
+    factor = plan.capacity_factors.get(ref, 1.0)
+    if not 0 < factor <= 1:
+        out.append(f"{inst.key}: capacity factor {factor} is not in (0, 1]")
+    capacity = t.throughput * factor
+    if abs(inst.throughput - capacity) > TOL * max(1.0, capacity):
+        out.append(
+            f"{inst.key}: throughput {inst.throughput} != template {t.throughput} x capacity "
+            f"factor {factor:g}"
+        )
     job = (inst.model, inst.phase)
     tally.total += price
     tally.usd[job] = tally.usd.get(job, 0.0) + price
-    tally.supply[job] = tally.supply.get(job, 0.0) + t.throughput
+    tally.supply[job] = tally.supply.get(job, 0.0) + capacity
     tally.count[job] = tally.count.get(job, 0) + 1
     return out
 

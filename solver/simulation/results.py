@@ -18,6 +18,7 @@ class ModelResult:
     slo_ttft_ms: float
     slo_tpot_ms: float
     max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
+    prefill_done_s: np.ndarray | None = None  # disaggregated: when prefill finished
 
     @property
     def ttft_ms(self) -> np.ndarray:

@@ -269,6 +269,7 @@ def simulate(
         first = np.full(n, np.inf)
         finish = np.full(n, np.inf)
         peaks: dict[str, int] = {}
+        prefill_done: np.ndarray | None = None
         cap = perf.settings.max_batch_tokens
         pre = by_phase.get("prefill", [])
         dec = by_phase.get("decode", [])
@@ -325,6 +326,7 @@ def simulate(
             spec.slo_ms.prefill,
             spec.slo_ms.decode,
             peaks,
+            prefill_done,
         )
     return SimResult(duration_s, results)
 

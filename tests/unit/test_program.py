@@ -105,6 +105,7 @@ def test_gcp_nodes_and_firewalls(tmp_path, preview):
         regions=[{"cloud": "gcp", "region": "us-central1"}],
         node_configs=["l4x1", "l4x4", "a100-80gbx1"],
         deploy={"api_cidrs": ["198.51.100.0/24"]},
+        allocation={"budget_usd_per_hour": 40},  # GCP prices; capacity at the SLO target
     )
     result = preview("g", stacks)
     nodes = result.of_type("gcp:compute/instance:Instance")

@@ -1,0 +1,237 @@
+"""Plans that meet their SLO attainment targets: capacity at the target, a closed loop, and a
+verification on requests the planner never saw.
+
+1. **Capacity model** (`slo_capacity.capacity_factors`): each template's capacity at its model's
+   target, from the planning workload's lengths and burstiness.
+2. **Closed loop**: plan with those capacities, simulate the plan on the planning workload
+   (`workload.model_trace(..., "plan")`), and for every model below its target (plus `MARGIN`)
+   lower the capacity of the phase its misses come from (prefill when the prompt's own prefill
+   took most of the TTFT SLO, else decode), by a step that grows with the shortfall; re-plan, at
+   most `attainment.rounds` times.
+3. **Verification**: the final plan simulated for `attainment.verify_minutes` on the
+   verification workload (other seeds, or the trace's other half). Its attainment per model is
+   the plan's claim; `coral plan --strict` exits 3 and the Pulumi program refuses a plan below
+   target unless the stack sets `attainment.accept_below_target`.
+
+Scarce plans (served fraction < 1) are simulated at the demand they serve.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from solver.performance.perf_model import PerfModel
+from solver.plan.schema import ModelAttainment, Plan, template_ref
+from solver.plan.slo_capacity import ADMISSION_SHARE, capacity_factors
+from solver.simulation.results import ModelResult
+from solver.simulation.simulator import simulate
+from solver.simulation.traces import Trace
+from solver.simulation.workload import Purpose, model_trace, planning_workload, request_rate
+from solver.stack import Demand, FleetConfig, ModelSpec, PhaseTokens
+from solver.templates.library import Library
+from solver.types import Job
+
+MARGIN = 0.02  # the closed loop aims this far above each target (seed-to-seed noise)
+MIN_REQUESTS = 3_000  # a simulated window holds at least this many requests per model
+MAX_STEP, MIN_STEP = 0.35, 0.03  # capacity cut per round and phase, as a share
+
+PlanFn = Callable[[dict[str, float]], Plan]
+
+
+def base_factors(
+    fleet: FleetConfig, libs: dict[Job, Library], root: Path | None = None
+) -> dict[str, float]:
+    """Template ref -> capacity factor at its model's target, from the capacity model."""
+    out: dict[str, float] = {}
+    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+        workload = planning_workload(spec, i, root)
+        for (m, phase), lib in sorted(libs.items()):
+            if m != model:
+                continue
+            f = capacity_factors(lib.templates, spec.slo_ms, workload, spec.slo_attainment)
+            for t, x in zip(lib.templates, f, strict=True):
+                out[template_ref(model, phase, t.key)] = round(float(x), 6)
+    return out
+
+
+def plan_to_target(
+    fleet: FleetConfig,
+    perf: PerfModel,
+    libs: dict[Job, Library],
+    solve: PlanFn,
+    root: Path | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> Plan:
+    """The closed loop and the verification (module doc); `solve(factors)` plans once."""
+    base = base_factors(fleet, libs, root)
+    headroom = {job: 1.0 for job in libs}
+    settings = fleet.attainment
+    planned: dict[str, float] = {}
+    for round_ in range(settings.rounds + 1):
+        plan = solve(_scaled(base, headroom))
+        if settings.rounds == 0 or not plan.instances:
+            break
+        sim = _simulate(plan, fleet, perf, "plan", settings.planning_minutes * 60, root)
+        planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sim.items()}
+        short = {
+            m: fleet.models[m].slo_attainment + MARGIN - a
+            for m, a in planned.items()
+            if a < fleet.models[m].slo_attainment + MARGIN
+        }
+        if progress:
+            worst = ", ".join(f"{m} {100 * planned[m]:.1f}%" for m in sorted(short))
+            progress(f"round {round_}: {plan.hourly_cost_usd:,.2f} $/h; short: {worst or 'none'}")
+        if not short or round_ == settings.rounds:
+            break
+        for model, gap in short.items():
+            _raise_headroom(headroom, model, gap, sim[model], fleet)
+    return _verified(plan, fleet, perf, planned, headroom, root)
+
+
+def _scaled(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, float]:
+    out = {}
+    by_job = {f"{m}/{ph}/": k for (m, ph), k in headroom.items()}
+    for ref, f in base.items():
+        model, phase, _ = ref.split("/", 2)
+        out[ref] = round(f * by_job.get(f"{model}/{phase}/", 1.0), 6)
+    return out
+
+
+def _raise_headroom(
+    headroom: dict[Job, float], model: str, gap: float, result: ModelResult, fleet: FleetConfig
+) -> None:
+    """Lower the capacity of the phase(s) a short model's misses come from."""
+    spec = fleet.models[model]
+    jobs = [job for job in headroom if job[0] == model]
+    if spec.serving == "aggregated" or result.prefill_done_s is None:
+        shares = {job: 1.0 for job in jobs}
+    else:
+        miss = ~result.met
+        prefill_ms = (result.prefill_done_s - result.arrival_s) * 1e3
+        budget = spec.slo_ms.prefill - spec.slo_ms.decode - ADMISSION_SHARE * spec.slo_ms.prefill
+        at_prefill = miss & (prefill_ms > budget)
+        total = max(1, int(miss.sum()))
+        p = float(at_prefill.sum()) / total
+        shares = {(model, "prefill"): p, (model, "decode"): 1.0 - p}
+    for job in jobs:
+        share = shares.get(job, 0.0)
+        if share >= 0.2:
+            headroom[job] *= 1.0 - min(MAX_STEP, max(MIN_STEP, 2.0 * gap * share))
+
+
+def _traces(
+    fleet: FleetConfig, purpose: Purpose, duration_s: float, scale: float, root: Path | None
+) -> tuple[dict[str, Trace], float]:
+    """Every model's requests (at `scale` x demand), over a window long enough for
+    MIN_REQUESTS of the slowest model; returns the traces and the window's length."""
+    if scale <= 0:
+        return {}, duration_s
+    rates = [request_rate(s) * scale for s in fleet.models.values() if request_rate(s) > 0]
+    if rates:
+        duration_s = min(max(duration_s, MIN_REQUESTS / min(rates)), 4 * 3_600.0)
+    traces = {}
+    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+        if request_rate(spec) <= 0:
+            continue
+        scaled = _at_scale(spec, scale)
+        traces[model] = model_trace(scaled, i, purpose, duration_s, root)
+    return traces, duration_s
+
+
+def _at_scale(spec: ModelSpec, scale: float) -> ModelSpec:
+    if scale == 1.0 or spec.demand is None:
+        return spec
+    d = spec.demand
+    if d.requests_per_s is not None:
+        demand = Demand(requests_per_s=d.requests_per_s * scale)
+    else:
+        assert d.tokens_per_s is not None
+        demand = Demand(
+            tokens_per_s=PhaseTokens(
+                prefill=d.tokens_per_s.prefill * scale, decode=d.tokens_per_s.decode * scale
+            )
+        )
+    return spec.model_copy(update={"demand": demand})
+
+
+def _simulate(
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    purpose: Purpose,
+    duration_s: float,
+    root: Path | None,
+) -> dict[str, ModelResult]:
+    traces, duration_s = _traces(fleet, purpose, duration_s, plan.served_fraction, root)
+    served = {i.model for i in plan.instances}
+    traces = {m: t for m, t in traces.items() if m in served}
+    return simulate(plan, fleet, perf, traces, duration_s).models if traces else {}
+
+
+def _verified(
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    planned: dict[str, float],
+    headroom: dict[Job, float],
+    root: Path | None,
+) -> Plan:
+    minutes = fleet.attainment.verify_minutes
+    sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
+    rows = []
+    for model, spec in sorted(fleet.models.items()):
+        r = sim.get(model)
+        verified = (float(r.met.mean()) if len(r.met) else 1.0) if r is not None else None
+        short = verified is not None and verified < spec.slo_attainment
+        rows.append(
+            ModelAttainment(
+                model=model,
+                target=spec.slo_attainment,
+                workload=spec.workload_trace or f"generated ({spec.workload or 'default shape'})",
+                planned=round(planned[model], 4) if model in planned else None,
+                verified=round(verified, 4) if verified is not None else None,
+                verified_requests=len(r.met) if r is not None else 0,
+                verified_minutes=round(float(r.arrival_s[-1]) / 60, 2)
+                if r is not None and len(r.arrival_s)
+                else 0.0,
+                headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
+                cause=_cause(r, spec.slo_ms.prefill, spec.slo_ms.decode) if short and r else "",
+            )
+        )
+    return plan.model_copy(update={"attainment": rows})
+
+
+def _cause(r: ModelResult, ttft_slo: float, tpot_slo: float) -> str:
+    """Why requests missed, in words: which SLO, and whether long prompts or waiting did it."""
+    miss = ~r.met
+    n = int(miss.sum())
+    if n == 0:
+        return ""
+    unfinished = int((~np.isfinite(r.finish_s)).sum())
+    ttft = r.ttft_ms
+    late_first = miss & (ttft > ttft_slo)
+    late_tokens = miss & (r.tpot_ms > tpot_slo)
+    parts = [f"{n} of {len(miss)} requests missed"]
+    if late_first.any():
+        finite = ttft[late_first & np.isfinite(ttft)]
+        p50 = float(np.median(finite)) if len(finite) else math.inf
+        parts.append(
+            f"{100 * late_first.sum() / n:.0f}% by TTFT (their median {p50:,.0f} ms vs "
+            f"{ttft_slo:g} ms)"
+        )
+    if late_tokens.any():
+        parts.append(f"{100 * late_tokens.sum() / n:.0f}% by TPOT (SLO {tpot_slo:g} ms)")
+    if unfinished:
+        parts.append(f"{unfinished} never finished in the window")
+    if r.prefill_done_s is not None and late_first.any():
+        alone = (r.prefill_done_s - r.arrival_s)[late_first] * 1e3
+        parts.append(
+            f"prefill took {float(np.median(alone[np.isfinite(alone)])):,.0f} ms (median) of it"
+            if np.isfinite(alone).any()
+            else "prefill never finished"
+        )
+    return "; ".join(parts)

@@ -1,0 +1,167 @@
+"""The workload a model's plan is judged on: generated requests or a real trace, split so that
+planning and verification never see the same requests.
+
+A model's workload is `workload_trace` when the stack gives one (a packaged trace or a CSV in
+the project), else requests generated like its `workload` shape (`traces.generate_trace`).
+
+- **Generated**: planning draws with seeds `PLAN_SEED + i`, verification with `VERIFY_SEED + i`
+  (i: the model's index in name order); `coral simulate` keeps seed 0 unless told otherwise.
+- **Trace**: planning uses the trace's first half, verification its second half. Each window's
+  time is scaled so its mean rate is the model's demand (the Azure traces' README suggests it:
+  dividing timestamps by k multiplies the rate by k and keeps the bursts' shape), and every
+  length is scaled by one factor per trace so the trace's mean prompt and output lengths become
+  the stack's `mean_prompt_tokens` / `mean_output_tokens` (the template library and the demand
+  in tokens/s are sized for those means). A window lasts as long as its requests do at that
+  rate, at most the asked duration.
+
+`request_rate` is a model's demand in requests/s, also for demand given in tokens/s.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+
+from solver.errors import InputError
+from solver.io import data_path
+from solver.simulation.traces import DEFAULT_SHAPE, SHAPES, Trace, generate_trace, load_trace_csv
+from solver.stack import ModelSpec
+
+Purpose = Literal["plan", "verify"]
+PLAN_SEED, VERIFY_SEED = 1_000, 2_000
+PACKAGED_TRACES = {
+    "azure-conv-2023": "traces/azure-2023/azure_conv_2023.csv",
+    "azure-code-2023": "traces/azure-2023/azure_code_2023.csv",
+}
+
+
+def request_rate(spec: ModelSpec) -> float:
+    """A model's demand in requests/s: as given, or its tokens/s over the mean lengths (the
+    larger of the two phases' rates, so neither phase is under-loaded)."""
+    d = spec.demand
+    if d is None:
+        return 0.0
+    if d.requests_per_s is not None:
+        return d.requests_per_s
+    assert d.tokens_per_s is not None
+    return max(
+        d.tokens_per_s.prefill / spec.mean_prompt_tokens,
+        d.tokens_per_s.decode / spec.mean_output_tokens,
+    )
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What the capacity model needs to know of a model's requests."""
+
+    prompts: np.ndarray  # a sample of prompt lengths (tokens), sorted
+    outputs: np.ndarray  # a sample of output lengths (tokens), sorted
+    arrival_scv: float  # squared CV of arrivals, as counts in 1 s windows (IDC; 1 = Poisson)
+
+
+def model_trace(
+    spec: ModelSpec, index: int, purpose: Purpose, duration_s: float, root: Path | None = None
+) -> Trace:
+    """The model's requests for planning or verification, at its demand rate.
+
+    Args:
+        spec: the model (demand, mean lengths, workload shape or trace).
+        index: the model's index in name order (seeds differ per model).
+        purpose: "plan" or "verify": disjoint seeds, or disjoint halves of a trace.
+        duration_s: how long, at most (a trace window may be shorter).
+        root: the project folder a relative `workload_trace` path is read from.
+
+    Raises:
+        InputError: an unknown packaged trace or an unreadable CSV.
+    """
+    rate = request_rate(spec)
+    if spec.workload_trace is None:
+        seed = (PLAN_SEED if purpose == "plan" else VERIFY_SEED) + index
+        return generate_trace(
+            rate,
+            duration_s,
+            spec.mean_prompt_tokens,
+            spec.mean_output_tokens,
+            spec.workload,
+            seed=seed,
+        )
+    return _trace_window(spec, purpose, rate, duration_s, root)
+
+
+def _trace_window(
+    spec: ModelSpec, purpose: Purpose, rate: float, duration_s: float, root: Path | None
+) -> Trace:
+    full = _read_trace(spec.workload_trace or "", root)
+    span = float(full.arrival_s[-1] - full.arrival_s[0]) or 1.0
+    half = full.arrival_s[0] + span / 2
+    keep = full.arrival_s < half if purpose == "plan" else full.arrival_s >= half
+    arrival = full.arrival_s[keep]
+    arrival = arrival - arrival[0]
+    window_rate = len(arrival) / (span / 2)
+    scale = window_rate / rate if rate > 0 else 1.0  # seconds of trace -> seconds at demand
+    arrival = arrival * scale
+    inside = arrival < duration_s
+    prompt_k = spec.mean_prompt_tokens / float(full.prompt.mean())
+    output_k = spec.mean_output_tokens / float(full.output.mean())
+    return Trace(
+        arrival[inside],
+        np.maximum(1, np.rint(full.prompt[keep][inside] * prompt_k)).astype(np.int64),
+        np.maximum(1, np.rint(full.output[keep][inside] * output_k)).astype(np.int64),
+    )
+
+
+@cache
+def _read_trace_cached(path: Path) -> Trace:
+    return load_trace_csv(path)
+
+
+def _read_trace(name: str, root: Path | None) -> Trace:
+    if name in PACKAGED_TRACES:
+        return _read_trace_cached(data_path(PACKAGED_TRACES[name]))
+    path = Path(name)
+    if not path.is_absolute():
+        path = (root or Path.cwd()) / path
+    if not path.exists():
+        raise InputError(
+            "workload_trace",
+            f"no trace '{name}' (packaged: {', '.join(sorted(PACKAGED_TRACES))})",
+            "name a packaged trace or a CSV of timestamp,prompt_tokens,output_tokens in the project",
+        )
+    return _read_trace_cached(path.resolve())
+
+
+def planning_workload(spec: ModelSpec, index: int, root: Path | None = None) -> Workload:
+    """The length sample and arrival variability the capacity model plans with: the planning
+    window of the trace, or the workload shape's own distribution (400 quantiles)."""
+    if spec.workload_trace is not None:
+        trace = model_trace(spec, index, "plan", 3_600.0, root)
+        return Workload(np.sort(trace.prompt), np.sort(trace.output), _idc(trace.arrival_s))
+    shape = SHAPES.get(spec.workload, DEFAULT_SHAPE)
+    q = (np.arange(400) + 0.5) / 400
+    return Workload(
+        _lognormal_quantiles(spec.mean_prompt_tokens, shape.prompt_sigma, q),
+        _lognormal_quantiles(spec.mean_output_tokens, shape.output_sigma, q),
+        shape.arrival_cv**2,
+    )
+
+
+def _lognormal_quantiles(mean: float, sigma: float, q: np.ndarray) -> np.ndarray:
+    from statistics import NormalDist
+
+    z = np.array([NormalDist().inv_cdf(float(x)) for x in q])
+    mu = np.log(mean) - sigma**2 / 2
+    return np.asarray(np.maximum(1.0, np.exp(mu + sigma * z)), dtype=np.float64)
+
+
+def _idc(arrival_s: np.ndarray, window_s: float = 1.0) -> float:
+    """Index of dispersion of arrival counts in `window_s` windows (variance / mean; 1 for
+    Poisson): bursts of simultaneous arrivals and rate swings raise it."""
+    if len(arrival_s) < 2:
+        return 1.0
+    counts = np.histogram(arrival_s, bins=np.arange(0.0, arrival_s[-1] + window_s, window_s))[0]
+    mean = counts.mean()
+    return float(max(1.0, counts.var() / mean)) if mean > 0 else 1.0
