@@ -22,22 +22,158 @@ Runtime rules (stock vLLM 0.33: its multi-node serving and disaggregated-prefill
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Literal
 
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
+from solver.catalog.model_cards import ModelCard
+from solver.catalog.offers import Catalog
 from solver.errors import InputError
+from solver.plan.schema import Instance, Plan
 from solver.templates.serving_template import ServingTemplate
 from solver.types import FROZEN
 
-VLLM_VERSION = "0.33.0"  # pinned; tests check rendered flags against this version's parser
+VLLM_VERSION = "0.33.0"  # pinned; tests run this version's own checks on every rendered node
 VLLM_ROUTER_VERSION = "0.1.17"
 MASTER_PORT = 29501
 PREFILL_PORT, DECODE_PORT = 8100, 8200  # internal vLLM HTTP ports of a PD pair
 NIXL_PORT = 5600
+# Push mode on both sides: in 0.33.0 only NixlPushConnector lets a PP > 1 prefill write its layer
+# slice into a PP = 1 decode (nixl/base_worker.py, "PP>1 (push mode)"); the pull NixlConnector
+# keys remote agents per TP rank and cannot. The transfer mode is part of the NIXL compatibility
+# hash (nixl/metadata.py), so prefill and decode must name the same connector.
+KV_CONNECTOR = "NixlPushConnector"
+# Each node downloads the weights before it starts vLLM, so a head may wait for a worker's whole
+# download and load: the distributed timeout covers both at conservative rates, plus a margin.
+DOWNLOAD_GB_PER_S = 0.1  # assumed sustained Hugging Face download per node (100 MB/s)
+LOAD_GB_PER_S = 0.5  # assumed disk -> GPU load rate
+TIMEOUT_MARGIN_S = 600  # torch.distributed's NCCL default (ParallelConfig docstring)
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+
+
+class Ports(BaseModel):
+    """The ports Coral's processes bind on a node; all distinct from each other and the API's."""
+
+    model_config = FROZEN
+    api: int = Field(ge=1, le=65535, description="Public port: an aggregated head or the router.")
+    prefill_http: int = Field(ge=1, le=65535)
+    decode_http: int = Field(ge=1, le=65535)
+    master: int = Field(ge=1, le=65535, description="torch.distributed master (the head).")
+    nixl: int = Field(
+        ge=1, le=65535, description="NIXL side channel (VLLM_NIXL_SIDE_CHANNEL_PORT)."
+    )
+
+
+def allocate_ports(api_port: int) -> Ports:
+    """Internal ports at their defaults, each moved up past any port already taken, so no two
+    processes of a node can collide whatever `deploy.api_port` is."""
+    taken = {api_port}
+    chosen: dict[str, int] = {}
+    defaults = [
+        ("prefill_http", PREFILL_PORT),
+        ("decode_http", DECODE_PORT),
+        ("master", MASTER_PORT),
+        ("nixl", NIXL_PORT),
+    ]
+    for name, port in defaults:
+        while port in taken:
+            port += 1
+        taken.add(port)
+        chosen[name] = port
+    return Ports(api=api_port, **chosen)
+
+
+class EngineSettings(BaseModel):
+    """Engine flags every node of one instance renders identically (vLLM resolves each node's
+    config from its own flags; defaults derived from local GPU memory would differ)."""
+
+    model_config = FROZEN
+    max_model_len: int = Field(gt=0)
+    max_num_seqs: int = Field(ge=1)
+    max_num_batched_tokens: int = Field(ge=1)
+    dtype: Literal["bfloat16", "float16"]
+    attention_backend: str | None = Field(
+        default=None, description="Pinned for a P/D pair (the NIXL handshake compares it)."
+    )
+    gpu_memory_utilization: float = Field(gt=0, le=1)
+    distributed_timeout_s: int = Field(gt=0)
+
+    @model_validator(mode="after")
+    def _batched_tokens_cover_sequences(self) -> EngineSettings:
+        if self.max_num_batched_tokens < self.max_num_seqs:  # vLLM's SchedulerConfig check
+            raise ValueError(
+                f"max_num_batched_tokens ({self.max_num_batched_tokens}) < max_num_seqs "
+                f"({self.max_num_seqs})"
+            )
+        return self
+
+
+def engine_precision(bf16: list[bool], sliding_window: bool) -> tuple[str, str]:
+    """(dtype, attention backend) for a set of GPUs that must agree: bfloat16 unless one GPU
+    lacks it (T4, V100), then float16 for all; FLASH_ATTN where every GPU has bf16 (Ampere or
+    newer) and the model has no sliding-window layers, else TRITON_ATTN, which runs on all."""
+    every = all(bf16)
+    dtype = "bfloat16" if every else "float16"
+    return dtype, "FLASH_ATTN" if every and not sliding_window else "TRITON_ATTN"
+
+
+def instance_engine(
+    *,
+    card: ModelCard,
+    max_model_len: int,
+    max_num_seqs: int,
+    max_num_batched_tokens: int,
+    bf16: list[bool],
+    pair: bool,
+    gpu_memory_utilization: float,
+) -> EngineSettings:
+    """The engine flags of one instance.
+
+    Args:
+        card: the model card (`max_context` caps --max-model-len: vLLM refuses more).
+        max_model_len: the stack's `deploy.max_model_len`.
+        max_num_seqs: the SLO-feasible decode batch the library assumed.
+        max_num_batched_tokens: the SLO-feasible prefill batch (raised to max_num_seqs at
+            least: vLLM requires batched tokens >= sequences).
+        bf16: per GPU that must agree (the instance's, or all of a P/D model's), bf16 support.
+        pair: a prefill/decode instance (pins the attention backend for the NIXL handshake).
+        gpu_memory_utilization: the stack's `deploy.gpu_memory_utilization`.
+
+    Returns:
+        The settings every node of the instance renders.
+    """
+    dtype, backend = engine_precision(bf16, card.sliding_window is not None)
+    return EngineSettings(
+        max_model_len=min(max_model_len, card.max_context),
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
+        dtype=dtype,  # type: ignore[arg-type]
+        attention_backend=backend if pair else None,
+        gpu_memory_utilization=gpu_memory_utilization,
+        distributed_timeout_s=distributed_timeout_s(card.weight_bytes / 1e9),
+    )
+
+
+def precision_group_bf16(plan: Plan, inst: Instance, catalog: Catalog) -> list[bool]:
+    """bf16 support of every GPU that must share `inst`'s dtype: its own nodes' GPUs, or for a
+    prefill/decode instance every prefill and decode instance of its model in the plan (a
+    router may pair any of them)."""
+    group = (
+        [inst]
+        if inst.phase == "aggregated"
+        else [i for i in plan.instances if i.model == inst.model and i.phase != "aggregated"]
+    )
+    return [catalog.node(n).gpu.bf16 for i in group for n in i.nodes]
+
+
+def distributed_timeout_s(weights_gb: float) -> int:
+    """--distributed-timeout-seconds: one node's download plus load, plus the NCCL default."""
+    return int(
+        math.ceil(weights_gb / DOWNLOAD_GB_PER_S + weights_gb / LOAD_GB_PER_S) + TIMEOUT_MARGIN_S
+    )
 
 
 class Process(BaseModel):
@@ -71,24 +207,23 @@ class NodeBoot(BaseModel):
     nnodes: int = Field(ge=1, description="vLLM nodes (ranks / TP) in this replica.")
     tp: int = Field(ge=1)
     layer_partition: str
-    max_model_len: int = Field(gt=0)
-    gpu_memory_utilization: float = Field(gt=0, le=1)
+    engine: EngineSettings
     processes: list[Process] = Field(min_length=1)
     master_addr: str = Field(description="Head node's private IP ('' on the head itself).")
-    http_port: int = Field(description="Port of the vLLM HTTP API on rank 0.")
-    api_port: int = Field(description="Public port: rank 0's API, or the router's.")
+    ports: Ports
     hf_token_secret: str = Field(description="Secret-manager name of the Hugging Face token.")
     router: RouterSpec | None = None
-    max_num_seqs: int | None = Field(
-        default=None, ge=1, description="Largest decode batch that meets the decode SLO."
-    )
-    max_num_batched_tokens: int | None = Field(
-        default=None, ge=1, description="Largest prefill batch that meets the prefill SLO."
-    )
 
     @property
     def kv_role(self) -> str | None:
         return {"prefill": "kv_producer", "decode": "kv_consumer"}.get(self.phase)
+
+    @property
+    def http_port(self) -> int:
+        """Port of rank 0's vLLM HTTP API: internal behind a P/D router, else the API port."""
+        return {"prefill": self.ports.prefill_http, "decode": self.ports.decode_http}.get(
+            self.phase, self.ports.api
+        )
 
     @property
     def is_head(self) -> bool:
@@ -115,46 +250,39 @@ def node_boots(
     replica_key: str,
     hf_repo: str,
     disaggregated: bool,
-    max_model_len: int,
+    engine: EngineSettings,
     api_port: int,
     hf_token_secret: str,
-    gpu_memory_utilization: float = 0.9,
-    max_num_seqs: int | None = None,
-    max_num_batched_tokens: int | None = None,
 ) -> list[NodeBoot]:
     """One boot spec per node of the template (master_addr left '' for the Pulumi program).
 
+    Args:
+        template: the serving template the instance realises.
+        layers: the model's layer count (the partition must sum to it).
+        cloud: where the nodes run.
+        region: the nodes' region.
+        stack: the Pulumi stack name.
+        replica_key: the plan's stable instance key.
+        hf_repo: the Hugging Face repository of the weights.
+        disaggregated: prefill/decode run apart (KV transfer over NIXL).
+        engine: the engine flags every node of the instance shares.
+        api_port: the stack's public API port (`deploy.api_port`).
+        hf_token_secret: secret-manager name of the Hugging Face token.
+
+    Returns:
+        One `NodeBoot` per node that runs vLLM processes.
+
     Raises:
         InputError: a placement stock vLLM cannot run (data parallel in a stage, mixed TP, a
-            layer split that does not sum to the model, or multi-stage disaggregated decode).
+            layer split that does not sum to the model or leaves a stage empty, or
+            multi-stage disaggregated decode).
     """
-    where = f"template {template.key} ({template.model} {template.phase})"
-    if any(len(s.members) != 1 for s in template.stages):
-        raise InputError(
-            where,
-            "a stage has several members (data parallel), which stock vLLM cannot run",
-            "plan with `library: {mode: vllm}` in the stack",
-        )
-    tps = {s.members[0].tp for s in template.stages}
-    if len(tps) != 1:
-        raise InputError(where, f"stages use TP sizes {sorted(tps)}", "use mode vllm")
-    if sum(s.layers for s in template.stages) != layers:
-        raise InputError(
-            where,
-            f"layer split {template.layer_partition} != {layers} layers",
-            "rebuild the library",
-        )
-    if disaggregated and template.phase == "decode" and len(template.stages) > 1:
-        raise InputError(
-            where, "disaggregated decode must run PP=1 (NixlConnector)", "use mode vllm"
-        )
-    tp = tps.pop()
+    _check_runnable(template, layers, disaggregated)
     procs: dict[int, list[Process]] = {}
     for rank, stage in enumerate(template.stages):
         member = stage.members[0]
         procs.setdefault(member.node, []).append(Process(rank=rank, gpus=member.gpus))
     phase = template.phase if disaggregated else "aggregated"
-    http_port = {"prefill": PREFILL_PORT, "decode": DECODE_PORT}.get(phase, api_port)
     return [
         NodeBoot(
             cloud=cloud,
@@ -166,25 +294,49 @@ def node_boots(
             hf_repo=hf_repo,
             phase=phase,
             nnodes=len(template.stages),
-            tp=tp,
+            tp=template.stages[0].members[0].tp,
             layer_partition=template.layer_partition,
-            max_model_len=max_model_len,
-            gpu_memory_utilization=gpu_memory_utilization,
-            processes=procs.get(k, []),
+            engine=engine,
+            processes=procs[k],
             master_addr="",
-            http_port=http_port,
-            api_port=api_port,
+            ports=allocate_ports(api_port),
             hf_token_secret=secret_name(cloud, hf_token_secret),
-            max_num_seqs=max_num_seqs if phase != "prefill" else None,
-            max_num_batched_tokens=max_num_batched_tokens if phase != "decode" else None,
         )
         for k in range(len(template.nodes))
         if procs.get(k)
     ]
 
 
+def _check_runnable(template: ServingTemplate, layers: int, disaggregated: bool) -> None:
+    where = f"template {template.key} ({template.model} {template.phase})"
+    if any(len(s.members) != 1 for s in template.stages):
+        raise InputError(
+            where,
+            "a stage has several members (data parallel), which stock vLLM cannot run",
+            "plan with `library: {mode: vllm}` in the stack",
+        )
+    tps = {s.members[0].tp for s in template.stages}
+    if len(tps) != 1:
+        raise InputError(where, f"stages use TP sizes {sorted(tps)}", "use mode vllm")
+    if sum(s.layers for s in template.stages) != layers or any(
+        s.layers < 1 for s in template.stages
+    ):
+        raise InputError(
+            where,
+            f"layer split {template.layer_partition} != {layers} layers, or a stage is empty",
+            "rebuild the library",
+        )
+    if disaggregated and template.phase == "decode" and len(template.stages) > 1:
+        raise InputError(
+            where,
+            f"disaggregated decode must run PP=1 ({KV_CONNECTOR} consumers reject PP > 1)",
+            "use mode vllm",
+        )
+
+
 def vllm_argv(boot: NodeBoot, process: Process, master_addr: str) -> list[str]:
     """`vllm serve` arguments of one process; identical across ranks but rank and headless."""
+    e = boot.engine
     argv = [
         boot.model_dir,
         "--served-model-name",
@@ -194,14 +346,20 @@ def vllm_argv(boot: NodeBoot, process: Process, master_addr: str) -> list[str]:
         "--pipeline-parallel-size",
         str(boot.nnodes),
         "--max-model-len",
-        str(boot.max_model_len),
+        str(e.max_model_len),
+        "--max-num-seqs",
+        str(e.max_num_seqs),
+        "--max-num-batched-tokens",
+        str(e.max_num_batched_tokens),
+        "--dtype",
+        e.dtype,
         "--gpu-memory-utilization",
-        f"{boot.gpu_memory_utilization:g}",
+        f"{e.gpu_memory_utilization:g}",
+        "--distributed-timeout-seconds",
+        str(e.distributed_timeout_s),
     ]
-    if boot.max_num_seqs is not None:  # batches past these sizes would break the SLO
-        argv += ["--max-num-seqs", str(boot.max_num_seqs)]
-    if boot.max_num_batched_tokens is not None:
-        argv += ["--max-num-batched-tokens", str(boot.max_num_batched_tokens)]
+    if e.attention_backend is not None:
+        argv += ["--attention-backend", e.attention_backend]
     if boot.nnodes > 1:
         argv += [
             "--nnodes",
@@ -211,12 +369,12 @@ def vllm_argv(boot: NodeBoot, process: Process, master_addr: str) -> list[str]:
             "--master-addr",
             master_addr,
             "--master-port",
-            str(MASTER_PORT),
+            str(boot.ports.master),
             "--distributed-executor-backend",
             "mp",
         ]
     if boot.kv_role is not None:
-        config = {"kv_connector": "NixlConnector", "kv_role": boot.kv_role}
+        config = {"kv_connector": KV_CONNECTOR, "kv_role": boot.kv_role}
         argv += ["--kv-transfer-config", json.dumps(config, separators=(",", ":"))]
     if process.rank == 0:
         argv += ["--host", "0.0.0.0", "--port", str(boot.http_port)]
@@ -277,9 +435,9 @@ def render_start_script(boot: NodeBoot) -> str:
             boot=boot,
             vllm_version=VLLM_VERSION,
             router_version=VLLM_ROUTER_VERSION,
-            nixl_port=NIXL_PORT,
+            nixl_port=boot.ports.nixl,
             argvs=[vllm_argv(boot, p, MASTER_ADDR_VAR) for p in boot.processes],
-            router=router_argv(boot.router, boot.api_port) if boot.router else None,
+            router=router_argv(boot.router, boot.ports.api) if boot.router else None,
         )
     )
 

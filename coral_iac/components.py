@@ -17,13 +17,7 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_gcp as gcp
 
-from coral_iac.bootstrap import (
-    DECODE_PORT,
-    PREFILL_PORT,
-    NodeBoot,
-    RouterSpec,
-    render_user_data,
-)
+from coral_iac.bootstrap import NodeBoot, Ports, RouterSpec, render_user_data
 from coral_iac.infra import Identity, Region, slug
 from solver.catalog.offers import Offer
 
@@ -90,7 +84,9 @@ def _user_data(
     non-head node its head's private IP (declared before it)."""
     if boot.is_head and router_prefill_ips:
         return pulumi.Output.all(*router_prefill_ips).apply(
-            lambda ips: render_user_data(boot.model_copy(update={"router": _router(ips)}), "")
+            lambda ips: render_user_data(
+                boot.model_copy(update={"router": _router(ips, boot.ports)}), ""
+            )
         )
     if boot.is_head:
         return pulumi.Output.from_input(render_user_data(boot, ""))
@@ -202,11 +198,12 @@ def _gcp_ips(node: gcp.compute.Instance) -> tuple[pulumi.Output[str], pulumi.Out
     return private_ip, public_ip
 
 
-def _router(prefill_ips: list[str]) -> RouterSpec:
-    """The decode node's router: every prefill head of the model in its region, and itself."""
+def _router(prefill_ips: list[str], ports: Ports) -> RouterSpec:
+    """The decode node's router: every prefill head of the model in its region, and itself
+    (ports from the same `allocate_ports(deploy.api_port)` on every node)."""
     return RouterSpec(
-        prefill_urls=[f"http://{ip}:{PREFILL_PORT}" for ip in prefill_ips],
-        decode_urls=[f"http://127.0.0.1:{DECODE_PORT}"],
+        prefill_urls=[f"http://{ip}:{ports.prefill_http}" for ip in prefill_ips],
+        decode_urls=[f"http://127.0.0.1:{ports.decode_http}"],
     )
 
 

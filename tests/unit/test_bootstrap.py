@@ -15,12 +15,15 @@ import yaml
 
 from coral_iac.bootstrap import (
     MASTER_ADDR_VAR,
+    EngineSettings,
     NodeBoot,
     RouterSpec,
+    instance_engine,
     node_boots,
     render_user_data,
     vllm_argv,
 )
+from solver.catalog.model_cards import load_model_cards
 from solver.errors import InputError
 from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
@@ -28,6 +31,7 @@ from tests.factories import data_parallel_template
 from tests.vllm_cli import check_replica
 
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
+CARDS = load_model_cards()
 HEAD_IP = "10.0.7.21"
 LAYERS = {"phi-4": 40, "qwen3-32b": 64, "llama3.1-70b": 80}
 HF = {
@@ -54,8 +58,20 @@ def template(model, phase, nodes, stages):
     )
 
 
+def engine_for(model: str, pair: bool, bf16=(True,), seqs=256, tokens=8192) -> EngineSettings:
+    return instance_engine(
+        card=CARDS[model],
+        max_model_len=8192,
+        max_num_seqs=seqs,
+        max_num_batched_tokens=tokens,
+        bf16=list(bf16),
+        pair=pair,
+        gpu_memory_utilization=0.9,
+    )
+
+
 def boots_for(
-    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2", **caps
+    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2", api_port=8000, **kw
 ) -> list[NodeBoot]:
     return node_boots(
         template=t,
@@ -66,10 +82,9 @@ def boots_for(
         replica_key=f"{t.model}/{t.phase}/{cloud}:{region}/{t.key}/0",
         hf_repo=HF[t.model],
         disaggregated=disaggregated,
-        max_model_len=8192,
-        api_port=8000,
+        engine=engine_for(t.model, disaggregated, **kw),
+        api_port=api_port,
         hf_token_secret="coral/hf-token",
-        **caps,
     )
 
 
@@ -96,15 +111,13 @@ def cases() -> dict[str, list[NodeBoot]]:
     )
     pd_decode = [
         b.model_copy(update={"router": router})
-        for b in boots_for(decode, True, max_num_seqs=96, max_num_batched_tokens=8192)
+        for b in boots_for(decode, True, seqs=96, tokens=8192)
     ]
     return {
         "single-node": boots_for(single, False),
         "mixed-node-sizes-per-gpu": boots_for(mixed, False),
         "uniform-tp-multi-node": boots_for(uniform, False, cloud="gcp", region="us-central1"),
-        "disaggregated-prefill": boots_for(
-            prefill, True, max_num_seqs=96, max_num_batched_tokens=8192
-        ),
+        "disaggregated-prefill": boots_for(prefill, True, seqs=96, tokens=8192),
         "disaggregated-decode": pd_decode,
     }
 
