@@ -224,7 +224,7 @@ class AttainmentSettings(BaseModel):
 
     model_config = FROZEN
     rounds: int = Field(
-        default=4,
+        default=6,
         ge=0,
         le=10,
         description="Closed-loop re-plans at most: simulate the plan on the planning workload "

@@ -30,14 +30,22 @@ from solver.plan.slo_capacity import ADMISSION_SHARE, capacity_factors
 from solver.simulation.results import ModelResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
-from solver.simulation.workload import Purpose, model_trace, planning_workload, request_rate
+from solver.simulation.workload import (
+    Purpose,
+    Workload,
+    model_trace,
+    planning_workload,
+    request_rate,
+)
 from solver.stack import Demand, FleetConfig, ModelSpec, PhaseTokens
 from solver.templates.library import Library
 from solver.types import Job
 
 MARGIN = 0.02  # the closed loop aims this far above each target (seed-to-seed noise)
 MIN_REQUESTS = 3_000  # a simulated window holds at least this many requests per model
-MAX_STEP, MIN_STEP = 0.35, 0.03  # capacity cut per round and phase, as a share
+GAIN = 3.0  # capacity cut per point of shortfall, times the phase's share of the misses
+MAX_STEP, MIN_STEP = 0.4, 0.03  # capacity cut per round and phase, as a share
+RELAX_SURPLUS = 0.015  # above target + MARGIN by this much: give capacity back
 
 PlanFn = Callable[[dict[str, float]], Plan]
 
@@ -52,10 +60,22 @@ def base_factors(
         for (m, phase), lib in sorted(libs.items()):
             if m != model:
                 continue
-            f = capacity_factors(lib.templates, spec.slo_ms, workload, spec.slo_attainment)
+            f = _reachable_factors(lib, spec, workload)
             for t, x in zip(lib.templates, f, strict=True):
                 out[template_ref(model, phase, t.key)] = round(float(x), 6)
     return out
+
+
+def _reachable_factors(lib: Library, spec: ModelSpec, workload: Workload) -> np.ndarray:
+    """Factors at the model's target or, when no template reaches it (prompts too long for
+    the SLO on every template), at the highest target some template reaches, in steps of
+    0.005 (the verification then reports the model short, with why)."""
+    target = spec.slo_attainment
+    while True:
+        f = capacity_factors(lib.templates, spec.slo_ms, workload, target)
+        if f.max(initial=0.0) > 0 or target <= 0.5:
+            return f
+        target = round(target - 0.005, 3)
 
 
 def plan_to_target(
@@ -67,29 +87,73 @@ def plan_to_target(
     progress: Callable[[str], None] | None = None,
 ) -> Plan:
     """The closed loop and the verification (module doc); `solve(factors)` plans once."""
-    base = base_factors(fleet, libs, root)
+    loop = _Loop(fleet, perf, base_factors(fleet, libs, root), solve, root, progress)
     headroom = {job: 1.0 for job in libs}
-    settings = fleet.attainment
-    planned: dict[str, float] = {}
-    for round_ in range(settings.rounds + 1):
-        plan = solve(_scaled(base, headroom))
-        if settings.rounds == 0 or not plan.instances:
-            break
-        sim = _simulate(plan, fleet, perf, "plan", settings.planning_minutes * 60, root)
-        planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sim.items()}
-        short = {
-            m: fleet.models[m].slo_attainment + MARGIN - a
-            for m, a in planned.items()
-            if a < fleet.models[m].slo_attainment + MARGIN
-        }
-        if progress:
-            worst = ", ".join(f"{m} {100 * planned[m]:.1f}%" for m in sorted(short))
-            progress(f"round {round_}: {plan.hourly_cost_usd:,.2f} $/h; short: {worst or 'none'}")
-        if not short or round_ == settings.rounds:
-            break
+    rounds = fleet.attainment.rounds
+    plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
+    while rounds and plan.instances and (short := loop.short(planned)):
         for model, gap in short.items():
-            _raise_headroom(headroom, model, gap, sim[model], fleet)
+            _raise_headroom(headroom, model, gap, sims[model], fleet)
+        rounds -= 1
+        plan, planned, sims = loop.run(headroom)
+    while rounds and plan.instances and not loop.short(planned):  # give back spare headroom
+        trial = _relaxed(headroom, planned, fleet)
+        if trial is None:
+            break
+        rounds -= 1
+        relaxed, relaxed_planned, _ = loop.run(trial)
+        if loop.short(relaxed_planned):
+            break
+        plan, planned, headroom = relaxed, relaxed_planned, trial
     return _verified(plan, fleet, perf, planned, headroom, root)
+
+
+class _Loop:
+    """One closed-loop round: plan at the scaled capacities, simulate on the planning workload."""
+
+    def __init__(
+        self,
+        fleet: FleetConfig,
+        perf: PerfModel,
+        base: dict[str, float],
+        solve: PlanFn,
+        root: Path | None,
+        progress: Callable[[str], None] | None,
+    ) -> None:
+        self.fleet, self.perf, self.base, self.solve = fleet, perf, base, solve
+        self.root, self.progress, self.count = root, progress, 0
+
+    def run(
+        self, headroom: dict[Job, float], simulate_it: bool = True
+    ) -> tuple[Plan, dict[str, float], dict[str, ModelResult]]:
+        plan = self.solve(_scaled(self.base, headroom))
+        if not simulate_it or not plan.instances:
+            return plan, {}, {}
+        minutes = self.fleet.attainment.planning_minutes
+        sims = _simulate(plan, self.fleet, self.perf, "plan", minutes * 60, self.root)
+        planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
+        if self.progress:
+            line = ", ".join(f"{m} {100 * a:.1f}%" for m, a in sorted(planned.items()))
+            self.progress(f"round {self.count}: {plan.hourly_cost_usd:,.2f} $/h; {line}")
+        self.count += 1
+        return plan, planned, sims
+
+    def short(self, planned: dict[str, float]) -> dict[str, float]:
+        """Model -> points below its target plus MARGIN, for the models below it."""
+        want = {m: self.fleet.models[m].slo_attainment + MARGIN for m in planned}
+        return {m: want[m] - a for m, a in planned.items() if a < want[m]}
+
+
+def _relaxed(
+    headroom: dict[Job, float], planned: dict[str, float], fleet: FleetConfig
+) -> dict[Job, float] | None:
+    """Headroom given back to the models well above target (None: nothing to give back)."""
+    trial = dict(headroom)
+    for (model, phase), k in headroom.items():
+        surplus = planned.get(model, 0.0) - fleet.models[model].slo_attainment - MARGIN
+        if k < 1.0 and surplus > RELAX_SURPLUS:
+            trial[(model, phase)] = min(1.0, k * (1.0 + min(0.15, 2.0 * surplus)))
+    return trial if trial != headroom else None
 
 
 def _scaled(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, float]:
@@ -120,7 +184,7 @@ def _raise_headroom(
     for job in jobs:
         share = shares.get(job, 0.0)
         if share >= 0.2:
-            headroom[job] *= 1.0 - min(MAX_STEP, max(MIN_STEP, 2.0 * gap * share))
+            headroom[job] *= 1.0 - min(MAX_STEP, max(MIN_STEP, GAIN * gap * share))
 
 
 def _traces(

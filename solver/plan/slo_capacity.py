@@ -155,12 +155,11 @@ def _decode_attainment(
 
 
 def _erlang_c(servers: np.ndarray, offered: np.ndarray) -> np.ndarray:
-    """Probability of waiting in M/M/c (vectorised), via the Erlang B recursion."""
-    b = np.ones_like(offered)
-    top = int(servers.max())
-    for k in range(1, top + 1):
-        step = offered * b / (k + offered * b)
-        b = np.where(k <= servers, step, b)
+    """Probability of waiting in M/M/c (vectorised): Erlang B = Poisson pmf(c) / cdf(c) at the
+    offered load, then C = c B / (c - a (1 - B))."""
+    from scipy.stats import poisson
+
     c = servers
+    b = poisson.pmf(c, offered) / np.maximum(poisson.cdf(c, offered), 1e-300)
     denom = c - offered * (1 - b)
     return np.asarray(np.clip(c * b / np.maximum(denom, 1e-12), 0.0, 1.0), dtype=np.float64)

@@ -1,0 +1,111 @@
+"""The capacity-at-target model's invariants (`solver/plan/slo_capacity.py`), on random templates
+and workloads: a factor lies in [0, 0.98]; a higher attainment target, a burstier arrival
+process or longer prompts never raise it. The plan's cost follows (a smaller capacity for every
+template can only raise the optimum): `tests/unit/test_attainment.py` checks that on a stack."""
+
+from __future__ import annotations
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solver.plan.slo_capacity import MAX_UTILIZATION, capacity_factors
+from solver.simulation.workload import Workload
+from solver.stack import Slo
+from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+
+
+def template(phase: str, throughput: float, stages: int, budget_ms: float) -> ServingTemplate:
+    return ServingTemplate(
+        key=f"l4x1*{stages}",
+        model="m",
+        phase=phase,  # type: ignore[arg-type]
+        mode="vllm",
+        nodes=["l4x1"] * stages,
+        stages=[
+            Stage(layers=4, members=[StageMember(node=i, gpus=[0], tp=1)]) for i in range(stages)
+        ],
+        throughput=throughput,
+        unit="requests/s" if phase == "aggregated" else "tokens/s",
+        stage_budget_ms=[budget_ms],
+    )
+
+
+templates = st.lists(
+    st.tuples(
+        st.floats(50, 50_000),  # throughput
+        st.integers(1, 8),  # stages
+        st.floats(0.05, 1.0),  # stage budget as a share of the TTFT SLO / stages
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def workload(sigma: float, scv: float, mean: float = 1_000.0) -> Workload:
+    q = (np.arange(200) + 0.5) / 200
+    from statistics import NormalDist
+
+    z = np.array([NormalDist().inv_cdf(float(x)) for x in q])
+    lengths = np.exp(np.log(mean) - sigma**2 / 2 + sigma * z)
+    return Workload(lengths, lengths / 5, scv)
+
+
+def factors(phase, specs, slo, wl, target):
+    ts = [template(phase, thr, s, slo.prefill * b / s) for thr, s, b in specs]
+    return capacity_factors(ts, slo, wl, target)
+
+
+phases = st.sampled_from(["prefill", "decode", "aggregated"])
+slos = st.builds(Slo, prefill=st.floats(200, 3_000), decode=st.floats(10, 200))
+
+
+@settings(max_examples=60, deadline=None)
+@given(phases, templates, slos, st.floats(0, 1.5), st.floats(1, 20), st.floats(0.5, 0.99))
+def test_factors_are_bounded(phase, specs, slo, sigma, scv, target):
+    f = factors(phase, specs, slo, workload(sigma, scv), target)
+    assert f.shape == (len(specs),)
+    assert np.all((f >= 0) & (f <= MAX_UTILIZATION))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    phases,
+    templates,
+    slos,
+    st.floats(0, 1.5),
+    st.floats(1, 20),
+    st.floats(0.5, 0.98),
+    st.floats(0.001, 0.2),
+)
+def test_a_higher_target_never_raises_a_factor(phase, specs, slo, sigma, scv, target, more):
+    wl = workload(sigma, scv)
+    low = factors(phase, specs, slo, wl, target)
+    high = factors(phase, specs, slo, wl, min(0.999, target + more))
+    assert np.all(high <= low + 1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    phases,
+    templates,
+    slos,
+    st.floats(0, 1.5),
+    st.floats(1, 10),
+    st.floats(0, 10),
+    st.floats(0.5, 0.99),
+)
+def test_burstier_arrivals_never_raise_a_factor(phase, specs, slo, sigma, scv, more, target):
+    calm = factors(phase, specs, slo, workload(sigma, scv), target)
+    bursty = factors(phase, specs, slo, workload(sigma, scv + more), target)
+    assert np.all(bursty <= calm + 1e-6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    templates, slos, st.floats(0, 1.5), st.floats(1, 10), st.floats(1.0, 3.0), st.floats(0.5, 0.99)
+)
+def test_longer_prompts_never_raise_a_prefill_factor(specs, slo, sigma, scv, longer, target):
+    short = factors("prefill", specs, slo, workload(sigma, scv), target)
+    long = factors("prefill", specs, slo, workload(sigma, scv, 1_000.0 * longer), target)
+    assert np.all(long <= short + 1e-6)
