@@ -36,109 +36,182 @@ def library_cache(fleet: Any) -> Path:
     return LIBRARY_ROOT / f"bench-{digest([sorted(fleet.node_configs), fleet.library])}"
 
 
-def _simulate(plan: Any, fleet: Any, perf: Any, duration: float) -> dict[str, Any]:
-    """Simulated summary at the plan's served demand."""
-    from solver.simulation.simulator import simulate
-    from solver.simulation.traces import stack_traces
+AZURE_TRACES = {"Azure Conversation": "azure-conv-2023", "Azure Code": "azure-code-2023"}
 
-    traces = stack_traces(fleet.models, duration, scale=plan.served_fraction)
-    return simulate(plan, fleet, perf, traces, duration).summary()
+
+def with_traces(fleet: Any, traces: str) -> Any:
+    """`--traces azure`: models whose workload is Azure conversation or code are judged on the
+    real 2023 traces instead of generated requests of that shape."""
+    if traces == "generated":
+        return fleet
+    models = {
+        m: spec.model_copy(update={"workload_trace": AZURE_TRACES[spec.workload]})
+        if spec.workload in AZURE_TRACES and spec.workload_trace is None
+        else spec
+        for m, spec in fleet.models.items()
+    }
+    return fleet.model_copy(update={"models": models})
+
+
+def with_target(fleet: Any, target: float | None) -> Any:
+    """Every model's SLO attainment target set to `target` (None: the stack's)."""
+    if target is None:
+        return fleet
+    models = {m: s.model_copy(update={"slo_attainment": target}) for m, s in fleet.models.items()}
+    return fleet.model_copy(update={"models": models})
+
+
+def bench_row(
+    name: str, mode: str, method: str, fleet: Any, perf: Any, libs: Any
+) -> dict[str, Any]:
+    """One method planned to the stack's attainment targets (the same capacity model and closed
+    loop for every method), verified on the workload the planner never saw."""
+    from solver.plan.attainment import plan_to_target, simulate_workload
+    from solver.plan.planner import plan_stack
+
+    def solve(factors: dict[str, float]) -> Any:
+        return plan_stack(name, fleet, perf.catalog, libs, method=method, factors=factors)  # type: ignore[arg-type]
+
+    plan = plan_to_target(fleet, perf, libs, solve, STACKS_DIR.parent)
+    sim = simulate_workload(
+        plan, fleet, perf, "verify", fleet.attainment.verify_minutes * 60, STACKS_DIR.parent
+    )
+    summary: dict[str, Any] = sim.summary() if sim is not None else {}
+    return {
+        "stack": name,
+        "mode": mode,
+        "method": method,
+        "usd_per_hour": plan.hourly_cost_usd,
+        "served": plan.served_fraction,
+        "gpus": sum(int(n.rsplit("x", 1)[1]) for i in plan.instances for n in i.nodes),
+        "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
+        "goodput": summary.get("goodput_tokens_per_s", 0.0),
+        "attainment": summary.get("slo_attainment", 0.0),
+        "worst_model": min((a.verified or 0.0 for a in plan.attainment), default=0.0),
+        "below_target": [a.model for a in plan.below_target()],
+        "ttft_p50_ms": summary.get("ttft_p50_ms"),
+        "ttft_p99_ms": summary.get("ttft_p99_ms"),
+        "tpot_p50_ms": summary.get("tpot_p50_ms"),
+        "tpot_p99_ms": summary.get("tpot_p99_ms"),
+        "cost_by_model": {m: sum(v.values()) for m, v in plan.cost_by_model.items()},
+    }
 
 
 def bench(
     stacks: Annotated[list[str], typer.Option("--stack", help="Stacks to compare (repeat).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Folder for report.md and plots.")],
     modes: Annotated[list[str] | None, typer.Option("--mode", help="vllm and/or general.")] = None,
-    duration: Annotated[float, typer.Option(help="Simulated seconds per plan.")] = 300,
     workers: Annotated[int, typer.Option(help="Workers for library builds.")] = 2,
+    target: Annotated[
+        float | None,
+        typer.Option(
+            min=0.5, max=0.999, help="Every model's SLO attainment target (default: the stack's)."
+        ),
+    ] = None,
+    traces: Annotated[
+        str,
+        typer.Option(
+            help="azure: judge Azure-conversation/code models on the real 2023 traces; "
+            "generated: requests of their shape."
+        ),
+    ] = "azure",
     target_utilization: Annotated[
         float | None,
         typer.Option(
             min=0.05,
             max=1.0,
-            help="Override allocation.target_utilization for every method (headroom).",
+            help="Expert override of allocation.target_utilization for every method.",
         ),
     ] = None,
 ) -> None:
-    """Plan, simulate and compare every method; write the report and plots; print the table."""
+    """Plan every method to the same SLO attainment targets, verify each by simulation, and
+    compare cost, achieved attainment, goodput and latency; write the report and plots."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
     from solver.plan.demand import stack_demand
-    from solver.plan.planner import libraries_for, plan_stack
+    from solver.plan.planner import libraries_for
     from solver.stack import load_stack
 
+    if traces not in ("azure", "generated"):
+        raise InputError("--traces", f"unknown value '{traces}'", "use azure or generated")
     perf = load_perf_model()
     rows: list[dict[str, Any]] = []
     with progress_bar() as bar:
-        task = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
+        task: Any = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
-                fleet = (
-                    load_stack(STACKS_DIR, name)
-                    .with_mode(mode)
-                    .with_target_utilization(target_utilization)
+                fleet = with_target(
+                    with_traces(
+                        load_stack(STACKS_DIR, name)
+                        .with_mode(mode)
+                        .with_target_utilization(target_utilization),
+                        traces,
+                    ),
+                    target,
                 )
                 libs = libraries_for(
                     perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
                 )
                 for method in METHODS:
                     try:
-                        plan = plan_stack(name, fleet, perf.catalog, libs, method=method)  # type: ignore[arg-type]
+                        rows.append(bench_row(name, mode, method, fleet, perf, libs))
                     except CoralError as e:  # one failed solve must not lose the whole run
                         err.print(Text(f"{name} {mode} {method}: {e}"), highlight=False)
                         rows.append(
                             {"stack": name, "mode": mode, "method": method, "error": str(e)}
                         )
-                        continue
-                    sim = _simulate(plan, fleet, perf, duration)
-                    rows.append(
-                        {
-                            "stack": name,
-                            "mode": mode,
-                            "method": method,
-                            "usd_per_hour": plan.hourly_cost_usd,
-                            "served": plan.served_fraction,
-                            "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
-                            "goodput": sim["goodput_tokens_per_s"],
-                            "attainment": sim["slo_attainment"],
-                            "cost_by_model": {
-                                m: sum(v.values()) for m, v in plan.cost_by_model.items()
-                            },
-                        }
-                    )
                 bar.advance(task)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = Table(title="Coral vs baselines")
-    cols = ("stack", "mode", "method", "$/hour", "served", "goodput tok/s", "SLO met", "solve s")
+    table = Table(title="Coral vs baselines at equal SLO attainment targets")
+    cols = (
+        "stack",
+        "mode",
+        "method",
+        "$/hour",
+        "GPUs",
+        "served",
+        "SLO met (worst model)",
+        "goodput tok/s",
+        "TTFT p50/p99 ms",
+        "TPOT p50/p99 ms",
+        "solve s",
+    )
     for c in cols:
         table.add_column(c, justify="left" if c in ("stack", "mode", "method") else "right")
-    u = "each stack's" if target_utilization is None else f"{target_utilization:g}"
     md = [
-        "# Coral vs baselines",
+        "# Coral vs baselines at equal SLO attainment",
         "",
-        f"Simulated {duration:g} s per plan at its served demand; target utilization {u}.",
+        "Every method is planned to the same per-model SLO attainment targets with the same "
+        "capacity model and closed loop (docs/slo-attainment.md), then verified by simulation "
+        "on a workload no planner saw, at the demand it serves. "
+        f"Traces: {traces}; target: {'each stack' + chr(39) + 's' if target is None else target}.",
         "",
         "| " + " | ".join(cols) + " |",
         "|" + "---|" * len(cols),
     ]
     for r in rows:
         if "error" in r:
-            cells = [r["stack"], r["mode"], r["method"], "failed", "-", "-", "-", "-"]
+            cells = [r["stack"], r["mode"], r["method"], "failed", *["-"] * (len(cols) - 4)]
             table.add_row(*cells)
             md.append("| " + " | ".join(cells) + " |")
             continue
+        short = f" (short: {', '.join(r['below_target'])})" if r["below_target"] else ""
         cells = [
             r["stack"],
             r["mode"],
             r["method"],
             f"{r['usd_per_hour']:.2f}",
+            str(r["gpus"]),
             f"{r['served']:.3f}",
+            f"{100 * r['attainment']:.1f}% ({100 * r['worst_model']:.1f}%){short}",
             f"{r['goodput']:,.0f}",
-            f"{100 * r['attainment']:.1f}%",
+            f"{_ms(r['ttft_p50_ms'])} / {_ms(r['ttft_p99_ms'])}",
+            f"{_ms(r['tpot_p50_ms'])} / {_ms(r['tpot_p99_ms'])}",
             f"{r['solve_s']:.2f}",
         ]
         table.add_row(*cells)
@@ -146,9 +219,11 @@ def bench(
     failed = [r for r in rows if "error" in r]
     md += ["", *headline(rows), ""]
     if failed:
-        md += ["Failed:", ""] + [
-            f"- {r['stack']} {r['mode']} {r['method']}: {r['error']}" for r in failed
-        ] + [""]
+        md += (
+            ["Failed:", ""]
+            + [f"- {r['stack']} {r['mode']} {r['method']}: {r['error']}" for r in failed]
+            + [""]
+        )
     md += [
         "![cost by model](cost_by_model.png)",
         "![goodput](goodput.png)",
@@ -161,6 +236,10 @@ def bench(
     _plots(plt, [r for r in rows if "error" not in r], out_dir)
     out.print(table)
     err.print(f"Wrote {out_dir / 'report.md'}, results.json and 3 plots")
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value:,.0f}"
 
 
 def headline(rows: list[dict[str, Any]]) -> list[str]:

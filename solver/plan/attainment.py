@@ -27,7 +27,7 @@ import numpy as np
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import ModelAttainment, Plan, template_ref
 from solver.plan.slo_capacity import ADMISSION_SHARE, capacity_factors
-from solver.simulation.results import ModelResult
+from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
 from solver.simulation.workload import (
@@ -222,6 +222,23 @@ def _at_scale(spec: ModelSpec, scale: float) -> ModelSpec:
     return spec.model_copy(update={"demand": demand})
 
 
+def simulate_workload(
+    plan: Plan,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    purpose: Purpose,
+    duration_s: float,
+    root: Path | None = None,
+) -> SimResult | None:
+    """The plan simulated on its stack's planning or verification workload, at the demand it
+    serves, for at least `duration_s` (longer when a model's rate needs it for MIN_REQUESTS);
+    None when it serves nothing."""
+    traces, duration_s = _traces(fleet, purpose, duration_s, plan.served_fraction, root)
+    served = {i.model for i in plan.instances}
+    traces = {m: t for m, t in traces.items() if m in served}
+    return simulate(plan, fleet, perf, traces, duration_s) if traces else None
+
+
 def _simulate(
     plan: Plan,
     fleet: FleetConfig,
@@ -230,10 +247,8 @@ def _simulate(
     duration_s: float,
     root: Path | None,
 ) -> dict[str, ModelResult]:
-    traces, duration_s = _traces(fleet, purpose, duration_s, plan.served_fraction, root)
-    served = {i.model for i in plan.instances}
-    traces = {m: t for m, t in traces.items() if m in served}
-    return simulate(plan, fleet, perf, traces, duration_s).models if traces else {}
+    result = simulate_workload(plan, fleet, perf, purpose, duration_s, root)
+    return result.models if result is not None else {}
 
 
 def _verified(
