@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -63,7 +64,8 @@ def load_stack_named(stack: str) -> Any:
 
 
 def reports_errors(fn: F) -> F:
-    """Turn CoralError into a clean message on stderr and exit code 1 (no traceback)."""
+    """Turn CoralError into a clean message on stderr and exit code 1 (no traceback); an
+    interrupt into one line and 128 + the signal's number, as a shell reports it."""
 
     @functools.wraps(fn)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -73,6 +75,10 @@ def reports_errors(fn: F) -> F:
             # The message is plain text: markup would eat brackets, e.g. `coral-iac[profile]`.
             err.print(Text.assemble(("Error:", "bold red"), " ", str(exc)), highlight=False)
             raise typer.Exit(1) from None
+        except KeyboardInterrupt as exc:  # Ctrl-C, or SIGTERM during a build (`Terminated`)
+            signum = int(getattr(exc, "signum", signal.SIGINT))
+            err.print(f"Interrupted ({signal.Signals(signum).name}).", highlight=False)
+            raise typer.Exit(128 + signum) from None
 
     return wrapper  # type: ignore[return-value]
 

@@ -1,11 +1,24 @@
 """Where the library build places its chunks of node multisets: in-process, a process pool, or
-Ray actors. Each worker caches its T̂ rows, so a chunk costs only its placements."""
+Ray actors. Each worker caches its T̂ rows, so a chunk costs only its placements.
+
+SIGINT and SIGTERM during a build end every worker (pool processes are terminated, Ray is shut
+down) before the build stops with `Terminated`; workers ignore SIGINT (Ctrl-C reaches the whole
+process group; the parent decides) and on Linux die with their parent even if it is killed.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import ctypes.util
 import importlib
-from collections.abc import Iterator
+import inspect
+import signal
+import sys
+import threading
+from collections.abc import Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from types import FrameType
 from typing import Any, Literal
 
 from solver.errors import InputError
@@ -44,7 +57,90 @@ class _Placer:
 _PLACER: list[_Placer] = []  # the worker process's placer, set by the pool initializer
 
 
+class Terminated(KeyboardInterrupt):
+    """A build stopped by SIGINT or SIGTERM, after its workers were ended.
+
+    A KeyboardInterrupt, so `except Exception` blocks do not swallow it and the CLI stops as for
+    Ctrl-C (no traceback, nothing written).
+    """
+
+    def __init__(self, signum: int) -> None:
+        self.signum = signum
+        super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+# Running builds: a pool (None for Ray) and the generator that owns it. A signal ends their
+# workers, and closes a generator that is suspended (its `finally` then shuts the pool down).
+_LIVE: list[tuple[ProcessPoolExecutor | None, Generator[list[Candidate], None, None]]] = []
+
+
+def _terminate_workers(pool: ProcessPoolExecutor) -> None:
+    """Terminate (then kill) every worker process of `pool`; takes none of its locks, so a
+    signal handler may call it while the main thread holds one."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5)
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=5)
+
+
+def _on_signal(signum: int, frame: FrameType | None) -> None:
+    for pool, results in list(_LIVE):
+        if pool is not None:
+            _terminate_workers(pool)
+        if (
+            inspect.getgeneratorstate(results) != inspect.GEN_RUNNING
+        ):  # suspended: close it now (else the exception ends it)
+            results.close()
+    raise Terminated(signum)
+
+
+@contextlib.contextmanager
+def _ends_workers_on_signal() -> Iterator[None]:
+    """While active (main thread only), SIGINT and SIGTERM end the live builds' workers and
+    raise `Terminated`; the previous handlers come back after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, _on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _tracked(
+    pool: ProcessPoolExecutor | None, results: Generator[list[Candidate], None, None]
+) -> Iterator[list[Candidate]]:
+    """`results`, registered for the signal handler while it runs."""
+    entry = (pool, results)
+    _LIVE.append(entry)
+    try:
+        with _ends_workers_on_signal():
+            yield from results
+    finally:
+        _LIVE.remove(entry)
+        results.close()
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies (even by SIGKILL)."""
+    if not sys.platform.startswith("linux"):
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+
+
 def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    _die_with_parent()
     _PLACER[:] = [_Placer(perf, fleet)]
 
 
@@ -60,17 +156,34 @@ def run_tasks(
     executor: Executor,
     ray_address: str | None,
 ) -> Iterator[list[Candidate]]:
-    """Results of every task, in task order, from the chosen executor."""
+    """Results of every task, in task order, from the chosen executor.
+
+    Raises:
+        Terminated: SIGINT or SIGTERM arrived; every worker has ended.
+    """
     if executor == "ray":
-        yield from _run_on_ray(perf, fleet, tasks, workers, ray_address)
+        yield from _tracked(None, _run_on_ray(perf, fleet, tasks, workers, ray_address))
     elif workers <= 1:
         placer = _Placer(perf, fleet)
         yield from (placer.place(job, chunk) for job, chunk in tasks)
     else:
-        with ProcessPoolExecutor(
-            workers, initializer=_init_process, initargs=(perf, fleet)
-        ) as pool:
-            yield from pool.map(_place_in_process, *zip(*tasks, strict=True))
+        pool = ProcessPoolExecutor(workers, initializer=_init_process, initargs=(perf, fleet))
+        yield from _tracked(pool, _pool_results(pool, tasks))
+
+
+def _pool_results(
+    pool: ProcessPoolExecutor, tasks: list[tuple[Job, list[tuple[str, ...]]]]
+) -> Generator[list[Candidate], None, None]:
+    """The pool's results in task order; its workers end with it, however it ends."""
+    finished = False
+    try:
+        yield from pool.map(_place_in_process, *zip(*tasks, strict=True))
+        finished = True
+    finally:
+        if not finished:  # an error, a signal, or the consumer stopped early
+            _terminate_workers(pool)
+        # Waits for the pool's manager thread, so nothing of the pool is left for exit time.
+        pool.shutdown(wait=True, cancel_futures=not finished)
 
 
 def _run_on_ray(
@@ -79,7 +192,7 @@ def _run_on_ray(
     tasks: list[tuple[Job, list[tuple[str, ...]]]],
     workers: int,
     address: str | None,
-) -> Iterator[list[Candidate]]:
+) -> Generator[list[Candidate], None, None]:
     """One Ray actor per worker (each caches its T̂ rows), tasks spread by `ActorPool`."""
     try:  # optional extra; typed as Any so type checks pass with or without it installed
         ray: Any = importlib.import_module("ray")
@@ -99,5 +212,3 @@ def _run_on_ray(
     finally:
         if started_here:
             ray.shutdown()
-
-

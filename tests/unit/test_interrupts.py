@@ -1,0 +1,95 @@
+"""SIGTERM and SIGINT during a process-pool library build end every worker, print no traceback,
+leave the previous files intact, and the next run works (issue #18)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import REPO
+
+CORAL = Path(sys.executable).with_name("coral")
+
+
+def _children(pid: int) -> set[int]:
+    """Live processes whose parent is `pid` (read from /proc)."""
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+            except OSError:
+                continue
+            fields = stat.rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid and fields[0] != "Z":
+                found.add(int(entry.name))
+    return found
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+@pytest.fixture
+def project(tmp_path: Path) -> Path:
+    shutil.copy(REPO / "Pulumi.yaml", tmp_path / "Pulumi.yaml")
+    (tmp_path / "stacks").mkdir()
+    for stack in ("dev", "paper-core"):  # paper-core's build keeps two workers busy for seconds
+        shutil.copy(REPO / "stacks" / f"Pulumi.{stack}.yaml", tmp_path / "stacks")
+    return tmp_path
+
+
+def _build(project: Path, stack: str, out: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [str(CORAL), "templates", "build", "--stack", stack, "--out", out, "--workers", "2"],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # a SIGINT below reaches only what the test means it to
+    )
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir() or not CORAL.exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_a_signal_during_a_pool_build_ends_every_worker(project: Path, signum: int) -> None:
+    previous = project / "lib" / "previous.json"
+    previous.parent.mkdir()
+    previous.write_bytes(b'{"previous": true}\n')
+    proc = _build(project, "paper-core", "lib")
+    workers: set[int] = set()
+    deadline = time.monotonic() + 120
+    while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
+        workers |= _children(proc.pid)
+        time.sleep(0.02)
+    assert len(workers) >= 2, "the build never started its two workers"
+    time.sleep(0.3)  # the workers are placing templates now
+    if signum == signal.SIGINT:
+        os.killpg(proc.pid, signum)  # Ctrl-C: the whole foreground group, workers included
+    else:
+        os.kill(proc.pid, signum)  # kill -TERM <pid of coral>
+    # communicate() returns only once no process holds the pipes: no orphan keeps stdout open.
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode != 0
+    assert "Traceback" not in stderr, stderr
+    deadline = time.monotonic() + 10
+    while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [w for w in workers if _alive(w)], "a worker survived the signal"
+    assert previous.read_bytes() == b'{"previous": true}\n'
+    assert sorted(p.name for p in previous.parent.iterdir()) == ["previous.json"]
+    again = _build(project, "dev", "lib")
+    _, stderr = again.communicate(timeout=120)
+    assert again.returncode == 0, stderr
+    assert len(list(previous.parent.glob("*.json"))) > 1
