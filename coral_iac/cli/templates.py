@@ -102,7 +102,7 @@ def templates_build(
             ray_address,
         )
     for lib in libs:
-        save_library(lib, out_dir)
+        save_library(lib, out_dir, stack)
         s = lib.stats
         table.add_row(
             lib.model,
@@ -130,7 +130,7 @@ def templates_show(
     """List templates by throughput per dollar (at the cheapest region offering all nodes)."""
     from solver.catalog.offers import load_catalog
     from solver.errors import InputError
-    from solver.templates.library import Library
+    from solver.templates.library import read_library
 
     pattern = f"{model}__{phase}__*__{mode or '*'}.json"
     files = sorted(library.glob(pattern))
@@ -143,7 +143,7 @@ def templates_show(
     cat = load_catalog()
     rows: list[TemplateRow] = []
     for f in files:
-        lib = Library.model_validate_json(f.read_text(encoding="utf-8"))
+        lib = read_library(f)
         for t in lib.templates:
             price = cat.cheapest_region(t.nodes)
             if price is None:

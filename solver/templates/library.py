@@ -1,5 +1,8 @@
 """Build, hash, save and load serving-template libraries (one file per model/phase/SLO/mode).
 
+Files are format 2 (`library_format`: a checked header line, then the templates as columns);
+a format-1 file (one pydantic document, slow to load) is converted on its first load.
+
 Every library file records a hash of each input (GPU data, node configs, model card, performance
 model version, calibration and settings, SLO and request shape, N_max, rho, mode). Loading a file
 whose hashes differ from the current inputs is an error that names the changed input, unless the
@@ -8,15 +11,17 @@ caller asks for a rebuild: a stale library is never used silently.
 
 from __future__ import annotations
 
+import json
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from solver.errors import InputError, StaleLibraryError
-from solver.io import digest
+from solver.io import digest, write_atomic
 from solver.performance.analytical import PERF_MODEL_VERSION
 from solver.performance.perf_model import PerfModel
 from solver.stack import FleetConfig
@@ -28,28 +33,27 @@ from solver.templates.enumeration import (
     to_template,
 )
 from solver.templates.executors import CHUNK, Executor, run_tasks
+from solver.templates.library_format import (
+    FORMAT,
+    LibraryHeader,
+    LibraryStats,
+    body_digest,
+    decode_body,
+    encode_body,
+)
 from solver.templates.pruning import prune_dominated
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Job, LibPhase, Mode
 
-LIBRARY_FORMAT = 1
-
-
-class LibraryStats(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
-    enumerated: int = Field(description="Node multisets within N_max and the memory bounds.")
-    feasible: int = Field(description="Multisets with a placement meeting the SLO.")
-    dominated: int = Field(description="Dropped: a sub-multiset delivers at least as much.")
-    kept: int
-    # Wall time is reported by the build but not saved: same inputs must give the same file.
-    build_seconds: float = Field(default=0.0, exclude=True)
+LIBRARY_FORMAT = FORMAT
+log = logging.getLogger("coral.library")
 
 
 class Library(BaseModel):
     """One (model, phase, SLO, mode) library file."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
-    format: Literal[1] = 1
+    format: Literal[2] = 2
     model: str
     phase: LibPhase
     mode: Mode
@@ -197,11 +201,53 @@ def _slo_of(fleet: FleetConfig, model: str, phase: LibPhase) -> dict[str, float]
     return {phase: getattr(slo, phase)}
 
 
-def save_library(lib: Library, directory: Path) -> Path:
-    directory.mkdir(parents=True, exist_ok=True)
+def save_library(lib: Library, directory: Path, stack: str | None = None) -> Path:
+    """Write `lib` to `directory` in format 2 (`library_format`), atomically.
+
+    A reader (or a concurrent `coral plan`) sees the old file or the new one, never half of
+    one. The folder's `OWNER` records which stack (when given) and inputs each file was
+    built for.
+
+    Returns:
+        The file written.
+    """
     path = directory / lib.filename
-    path.write_text(lib.model_dump_json() + "\n", encoding="utf-8")  # compact: files get large
+    body = encode_body(lib.templates)
+    header = LibraryHeader(
+        format=FORMAT,
+        **lib.model_dump(include={"model", "phase", "mode", "slo_ms", "input_hashes"}),
+        node_configs=lib.node_configs,
+        stats=lib.stats,
+        stack=stack,
+        templates=len(lib.templates),
+        body_sha256=body_digest(body),
+    )
+    write_atomic(path, header.model_dump_json().encode("utf-8") + b"\n" + body + b"\n")
+    _record_owner(directory, lib, stack)
     return path
+
+
+OWNER_FILE = "OWNER"  # JSON; not *.json, which globs of library files match
+
+
+def _record_owner(directory: Path, lib: Library, stack: str | None) -> None:
+    """OWNER: {"stack": name or null, "libraries": {file: digest of its input hashes}}."""
+    record = library_owner(directory) or {"stack": None, "libraries": {}}
+    if stack is not None:
+        record["stack"] = stack
+    record["libraries"][lib.filename] = digest(lib.input_hashes)
+    text = json.dumps(record, indent=1, sort_keys=True) + "\n"
+    write_atomic(directory / OWNER_FILE, text)
+
+
+def library_owner(directory: Path) -> dict[str, Any] | None:
+    """What `directory/OWNER` records (the stack and each file's inputs), or None."""
+    try:
+        record = json.loads((directory / OWNER_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    ok = isinstance(record, dict) and isinstance(record.get("libraries"), dict)
+    return record if ok else None
 
 
 def load_library(
@@ -209,8 +255,13 @@ def load_library(
 ) -> Library:
     """Load one library file and check its input hashes against the current inputs.
 
+    The header is checked before any template is read; the templates are constructed without
+    re-validating each, once the body matches the hash the header records. A format-1 file is
+    converted in place (once; it says so), or reported stale when its inputs changed.
+
     Raises:
-        InputError: the file is missing.
+        InputError: the file is missing, or unreadable (truncated, edited): rebuilt by
+            `coral plan`.
         StaleLibraryError: an input changed since it was built (named).
     """
     path = directory / library_filename(
@@ -222,9 +273,52 @@ def load_library(
             "no serving-template library for this model/phase/SLO/mode",
             "run `coral templates build --stack STACK --out DIR`",
         )
-    lib = Library.model_validate_json(path.read_text(encoding="utf-8"))
-    current = input_hashes(perf, fleet, model, phase)
-    changed = sorted(k for k in current if lib.input_hashes.get(k) != current[k])
+    return read_library(path, input_hashes(perf, fleet, model, phase))
+
+
+def read_library(path: Path, current: dict[str, str] | None = None) -> Library:
+    """One library file, its header and body hash checked (and its inputs, given `current`).
+
+    Raises:
+        InputError: unreadable (truncated, edited).
+        StaleLibraryError: its input hashes differ from `current` (named).
+    """
+    try:
+        with path.open("rb") as handle:
+            head, body = handle.readline(), handle.read()
+    except OSError as exc:
+        raise InputError(str(path), f"cannot read it ({exc.strerror})", "check the path") from exc
+    if head.startswith(b'{"format":1,'):
+        return _convert_format_1(path, head, current)
+    header = _header(path, head, body)
+    if current is not None:
+        _check_fresh(path, header.input_hashes, current)
+    templates = decode_body(body.rstrip(b"\n"), header.model, header.phase, header.mode)
+    fields = header.model_dump(include={"model", "phase", "mode", "slo_ms", "input_hashes"})
+    return Library(
+        **fields, node_configs=header.node_configs, stats=header.stats, templates=templates
+    )
+
+
+def _header(path: Path, head: bytes, body: bytes) -> LibraryHeader:
+    """The checked header of a format-2 file.
+
+    Raises:
+        InputError: not a format-2 header, or the body does not match its hash or count.
+    """
+    fix = "delete it: `coral plan` rebuilds it (or `coral templates build --stack STACK`)"
+    try:
+        header = LibraryHeader.model_validate_json(head)
+    except ValidationError as exc:
+        raise InputError(str(path), f"not a serving-template library: {exc}", fix) from exc
+    if body_digest(body.rstrip(b"\n")) != header.body_sha256:
+        raise InputError(str(path), "corrupt library: its templates do not match its hash", fix)
+    return header
+
+
+def _check_fresh(path: Path, saved: dict[str, str], current: dict[str, str]) -> None:
+    """Raises: StaleLibraryError naming the inputs that changed since the file was built."""
+    changed = sorted(k for k in current if saved.get(k) != current[k])
     if changed:
         raise StaleLibraryError(
             str(path),
@@ -232,4 +326,25 @@ def load_library(
             "rebuild it with `coral templates build --stack STACK --out DIR` (`coral plan` "
             "rebuilds its own cache; for `pulumi up` set coral:fleet.deploy.rebuild_library)",
         )
+
+
+def _convert_format_1(path: Path, text: bytes, current: dict[str, str] | None) -> Library:
+    """Read a format-1 file (every template validated: slow, once) and rewrite it in format 2.
+
+    Raises:
+        StaleLibraryError: its inputs changed (so it is rebuilt, not converted).
+    """
+    old = json.loads(text)
+    if current is not None:
+        _check_fresh(path, old.get("input_hashes", {}), current)
+    old["format"] = FORMAT
+    lib = Library.model_validate(old)
+    owner = library_owner(path.parent) or {}
+    save_library(lib, path.parent, owner.get("stack"))
+    log.warning(
+        "converted %s from library format 1 (every template re-validated on each load) to "
+        "format %d (loads in a fraction of the time)",
+        path,
+        FORMAT,
+    )
     return lib

@@ -2,14 +2,22 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 
-from solver.errors import CoralError, InputError
+from solver.errors import CoralError, InputError, StaleLibraryError
+from solver.io import digest
 from solver.performance.default_model import load_perf_model
 from solver.stack import load_stack
-from solver.templates.library import build_libraries, build_library, load_library, save_library
+from solver.templates.library import (
+    build_libraries,
+    build_library,
+    library_owner,
+    load_library,
+    save_library,
+)
 from solver.templates.pruning import prune_dominated
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
@@ -123,3 +131,51 @@ def test_remeasured_table_with_the_same_key_makes_the_library_stale(perf, tmp_pa
     _write_table(measured, name, [*points[:-1], (points[-1][0], points[-1][1] * 1.5)])
     with pytest.raises(CoralError, match="perf_model"):
         load_library(libs, load_perf_model(measured), fleet, "gpt-oss-20b", "prefill")
+
+
+def test_format_2_is_a_checked_header_then_columns_and_loads_what_was_saved(perf, tmp_path):
+    fleet = load_stack(STACKS, "paper-core")
+    lib = build_library(perf, fleet, "phi-4", "prefill")
+    path = save_library(lib, tmp_path, stack="paper-core")
+    head, body, end = path.read_bytes().split(b"\n")
+    assert (
+        end == b"" and json.loads(head)["format"] == 2 and json.loads(head)["stack"] == "paper-core"
+    )
+    assert json.loads(head)["templates"] == len(lib.templates)
+    assert len(json.loads(body)["key"]) == len(lib.templates)
+    loaded = load_library(tmp_path, perf, fleet, "phi-4", "prefill")
+    assert loaded.model_dump() == lib.model_dump() and loaded.templates == lib.templates
+    assert library_owner(tmp_path) == {
+        "stack": "paper-core",
+        "libraries": {lib.filename: digest(lib.input_hashes)},
+    }
+
+
+def test_a_corrupt_or_truncated_library_is_refused_as_missing_so_it_is_rebuilt(perf, tmp_path):
+    fleet = load_stack(STACKS, "paper-core")
+    path = save_library(build_library(perf, fleet, "phi-4", "decode"), tmp_path)
+    text = path.read_bytes()
+    path.write_bytes(text.replace(b'"throughput":[', b'"throughput":[1.5,', 1))
+    with pytest.raises(InputError, match="corrupt library") as exc:
+        load_library(tmp_path, perf, fleet, "phi-4", "decode")
+    assert not isinstance(exc.value, StaleLibraryError)  # the planner rebuilds it
+    path.write_bytes(text[: len(text) // 2])
+    with pytest.raises(InputError, match="not a serving-template library|corrupt"):
+        load_library(tmp_path, perf, fleet, "phi-4", "decode")
+
+
+def test_a_format_1_file_is_converted_once_and_says_so(perf, tmp_path, caplog):
+    fleet = load_stack(STACKS, "paper-core")
+    lib = build_library(perf, fleet, "gpt-oss-20b", "decode")
+    old = {**lib.model_dump(mode="json"), "format": 1}
+    path = tmp_path / lib.filename
+    path.write_text(json.dumps(old, separators=(",", ":")) + "\n")
+    with caplog.at_level("WARNING", logger="coral.library"):
+        loaded = load_library(tmp_path, perf, fleet, "gpt-oss-20b", "decode")
+    assert loaded.model_dump() == lib.model_dump()
+    assert "converted" in caplog.text and "format 1" in caplog.text
+    assert json.loads(path.read_bytes().split(b"\n")[0])["format"] == 2
+    stale = fleet.model_copy(update={"library": fleet.library.model_copy(update={"rho": 3})})
+    path.write_text(json.dumps(old, separators=(",", ":")) + "\n")
+    with pytest.raises(StaleLibraryError, match="rho"):  # rebuilt, not converted
+        load_library(tmp_path, perf, stale, "gpt-oss-20b", "decode")
