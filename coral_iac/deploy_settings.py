@@ -58,18 +58,24 @@ class DeploySettings(BaseModel):
         min_length=1,
         description="Secret-manager name of the Hugging Face token, read by nodes at boot.",
     )
-    max_model_len: int = Field(default=8192, gt=0)
+    max_model_len: int = Field(
+        default=8192,
+        gt=0,
+        description="vLLM's --max-model-len, capped at each model card's max_context.",
+    )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
     disk_headroom_gb: int = Field(default=100, ge=20, description="Root disk beyond weights.")
     aws_ami_parameter: str = Field(
         default="/aws/service/deeplearning/ami/x86_64/"
-        "base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id",
-        description="Public SSM parameter holding the Deep Learning AMI id (per region).",
+        "base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
+        description="Public SSM parameter holding the Deep Learning AMI id (per region); Ubuntu "
+        "24.04's Python 3.12 runs vLLM 0.33.0 (coral_iac/data/images.yaml).",
     )
     gcp_image: str = Field(
         default="projects/deeplearning-platform-release/global/images/family/"
         "common-cu129-ubuntu-2204-nvidia-580",
-        description="GCP image family (Ubuntu: honours cloud-init user-data).",
+        description="GCP image family (Ubuntu: honours cloud-init user-data; its Python 3.10 is "
+        "too old for vLLM 0.33.0, so nodes install Python 3.12 with uv; images.yaml).",
     )
     gcp_zones: dict[str, str] = Field(
         default_factory=dict, description="Region -> zone (default <region>-a)."
