@@ -26,11 +26,12 @@ import math
 from pathlib import Path
 from typing import Literal
 
+import yaml
 from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BaseModel, Field, model_validator
 
 from solver.catalog.model_cards import ModelCard
-from solver.catalog.offers import Catalog
+from solver.catalog.offers import Catalog, split_node_id
 from solver.errors import InputError
 from solver.plan.schema import Instance, Plan
 from solver.templates.serving_template import ServingTemplate
@@ -52,6 +53,11 @@ DOWNLOAD_GB_PER_S = 0.1  # assumed sustained Hugging Face download per node (100
 LOAD_GB_PER_S = 0.5  # assumed disk -> GPU load rate
 TIMEOUT_MARGIN_S = 600  # torch.distributed's NCCL default (ParallelConfig docstring)
 TEMPLATES = Path(__file__).resolve().parents[1] / "templates"
+IMAGES = Path(__file__).resolve().parent / "data" / "images.yaml"
+UV_VERSION = "0.13.9"  # installs the runtime Python where the image's is too old
+# What `hf download` fetches: weights, config and tokenizer files only.
+DOWNLOAD_INCLUDE = ["*.safetensors", "*.json", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
+DOWNLOAD_EXCLUDE = ["original/*", "metal/*", "*.gguf"]
 
 
 class Ports(BaseModel):
@@ -157,10 +163,28 @@ def instance_engine(
     )
 
 
+# GPUs the pinned wheel cannot run: its kernels link libcudart.so.13 and carry sm_75..sm_120 code
+# only (strings of vllm/_C_stable_libtorch.abi3.so in vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64
+# .whl, read 2026-12-01); CUDA 13 removed Volta (sm_70) support (CUDA 13.0 release notes).
+UNSUPPORTED_GPUS = {"v100": "Volta (sm_70): vLLM 0.33.0's CUDA 13 build has no sm_70 kernels"}
+
+
 def precision_group_bf16(plan: Plan, inst: Instance, catalog: Catalog) -> list[bool]:
     """bf16 support of every GPU that must share `inst`'s dtype: its own nodes' GPUs, or for a
     prefill/decode instance every prefill and decode instance of its model in the plan (a
-    router may pair any of them)."""
+    router may pair any of them).
+
+    Raises:
+        InputError: the instance uses a GPU the pinned vLLM build cannot run (V100).
+    """
+    for node in inst.nodes:
+        gpu = split_node_id(node)[0]
+        if gpu in UNSUPPORTED_GPUS:
+            raise InputError(
+                f"plan instance {inst.key}",
+                f"node config {node}: {UNSUPPORTED_GPUS[gpu]}",
+                f"remove {gpu} node configs from coral:fleet.node_configs",
+            )
     group = (
         [inst]
         if inst.phase == "aggregated"
@@ -384,12 +408,20 @@ def vllm_argv(boot: NodeBoot, process: Process, master_addr: str) -> list[str]:
 
 
 def router_argv(router: RouterSpec, api_port: int) -> list[str]:
+    """vllm-router's arguments but the prefills: the start script adds those that answer
+    /health (templates/node-start.sh.j2, serve_router)."""
     argv = ["--vllm-pd-disaggregation", "--policy", "round_robin"]
-    for url in router.prefill_urls:
-        argv += ["--prefill", url]
     for url in router.decode_urls:
         argv += ["--decode", url]
     return argv + ["--host", "0.0.0.0", "--port", str(api_port)]
+
+
+def runtime_python(cloud: str) -> str:
+    """The Python the node's vLLM venv runs: the image's own when it meets the wheel's
+    Requires-Python, else the one uv installs (coral_iac/data/images.yaml)."""
+    doc = yaml.safe_load(IMAGES.read_text(encoding="utf-8"))
+    image = doc["images"][cloud]["default"]
+    return str(image.get("runtime_python", image["python"]))
 
 
 def template_environment(folder: Path) -> Environment:
@@ -417,8 +449,9 @@ MASTER_ADDR_VAR = (
 )
 
 
-def _shell_quote(text: str) -> str:
+def _shell_quote(value: object) -> str:
     """Single-quote for bash unless the word is plainly safe (keeps scripts readable)."""
+    text = str(value)
     if text == MASTER_ADDR_VAR:
         return f'"{text}"'
     if text and all(c.isalnum() or c in "-_./:,=@" for c in text):
@@ -436,6 +469,8 @@ def render_start_script(boot: NodeBoot) -> str:
             vllm_version=VLLM_VERSION,
             router_version=VLLM_ROUTER_VERSION,
             nixl_port=boot.ports.nixl,
+            download_include=DOWNLOAD_INCLUDE,
+            download_exclude=DOWNLOAD_EXCLUDE,
             argvs=[vllm_argv(boot, p, MASTER_ADDR_VAR) for p in boot.processes],
             router=router_argv(boot.router, boot.ports.api) if boot.router else None,
         )
@@ -450,6 +485,8 @@ def render_user_data(boot: NodeBoot, master_addr: str) -> str:
         .render(
             boot=boot,
             vllm_version=VLLM_VERSION,
+            python=runtime_python(boot.cloud),
+            uv_version=UV_VERSION,
             router=boot.router,
             master_addr=master_addr,
             start_script=render_start_script(boot),

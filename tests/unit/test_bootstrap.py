@@ -20,11 +20,13 @@ from coral_iac.bootstrap import (
     RouterSpec,
     instance_engine,
     node_boots,
+    precision_group_bf16,
     render_user_data,
     vllm_argv,
 )
 from solver.catalog.model_cards import load_model_cards
 from solver.errors import InputError
+from solver.plan.schema import Instance
 from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.factories import data_parallel_template
@@ -220,3 +222,73 @@ def test_unrunnable_templates_fail_before_boot(stages, disaggregated, phase, mes
 def test_data_parallel_stage_is_rejected():
     with pytest.raises(InputError, match="data parallel"):
         boots_for(data_parallel_template("qwen3-32b", 64), True)
+
+
+@pytest.mark.parametrize("api_port", [8000, 8100, 8200, 29501, 5600])
+def test_ports_on_a_decode_node_never_collide(api_port):
+    """A decode node binds vLLM's HTTP port, the router's API port, NIXL's side channel and (as a
+    head) torch.distributed's master port: all distinct whatever deploy.api_port is."""
+    boot = boots_for(
+        template("qwen3-32b", "decode", ["l40sx4"], [(64, 0, [0, 1, 2, 3], 4)]),
+        True,
+        api_port=api_port,
+    )[0]
+    ports = boot.ports
+    bound = [ports.api, ports.decode_http, ports.prefill_http, ports.master, ports.nixl]
+    assert len(set(bound)) == len(bound) and ports.api == api_port
+    argv = vllm_argv(boot, boot.processes[0], HEAD_IP)
+    assert argv[argv.index("--port") + 1] == str(ports.decode_http) != str(api_port)
+
+
+def test_engine_settings_follow_the_card_and_the_gpus():
+    llama1 = engine_for("llama1-30b", False)
+    assert llama1.max_model_len == 2048  # the card's max_context, below deploy's 8192
+    assert engine_for("llama2-70b", False).max_model_len == 4096
+    small = engine_for("phi-4", False, seqs=512, tokens=128)
+    assert small.max_num_batched_tokens == 512  # raised to max_num_seqs, as vLLM requires
+    mixed = engine_for("qwen3-32b", True, bf16=(True, False))
+    assert (mixed.dtype, mixed.attention_backend) == ("float16", "TRITON_ATTN")
+    assert engine_for("qwen3-32b", True).attention_backend == "FLASH_ATTN"
+    assert engine_for("qwen3-32b", False).attention_backend is None
+    big, small_model = engine_for("llama3.1-70b", False), engine_for("phi-4", False)
+    assert big.distributed_timeout_s > small_model.distributed_timeout_s > 600
+
+
+def test_engine_settings_refuse_batched_tokens_below_sequences():
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        EngineSettings.model_validate(
+            engine_for("phi-4", False).model_dump() | {"max_num_seqs": 9000}
+        )
+
+
+def test_every_shell_value_in_node_env_is_quoted():
+    """A stack or model name with shell metacharacters cannot break out of node.env."""
+    boot = cases()["single-node"][0].model_copy(update={"stack": "a b;$(reboot)"})
+    env = yaml.safe_load(rendered(boot))["write_files"][0]["content"]
+    assert "CORAL_STACK='a b;$(reboot)'" in env
+    for line in env.splitlines():
+        key, _, value = line.partition("=")
+        assert (
+            value == ""
+            or value.startswith("'")
+            or all(c.isalnum() or c in "-_./:,=@" for c in value)
+        ), line
+
+
+def test_a_v100_instance_is_refused_with_the_wheels_cuda_reason(perf):
+    inst = Instance(
+        key="phi-4/aggregated/aws:us-east-2/v100x1/0",
+        model="phi-4",
+        phase="aggregated",
+        cloud="aws",
+        region="us-east-2",
+        template="v100x1",
+        index=0,
+        nodes=["v100x1"],
+        usd_per_hour=3.06,
+        throughput=1.0,
+    )
+    with pytest.raises(InputError, match="(?s)no sm_70 kernels.*remove v100 node configs"):
+        precision_group_bf16(None, inst, perf.catalog)
+    ok = inst.model_copy(update={"nodes": ["t4x1"]})
+    assert precision_group_bf16(None, ok, perf.catalog) == [False]

@@ -85,3 +85,15 @@ def test_preview_and_render_a_stack_with_gcp_instances_through_the_cli(tmp_path,
     r = runner.invoke(app, ["render", "--stack", "staging", "--out", str(out), *library])
     assert r.exit_code == 0, r.output
     assert any("gcp" in f.name for f in out.glob("*.yaml"))
+
+
+def test_a_stack_stock_vllm_cannot_run_exits_1_with_the_reason(tmp_path, monkeypatch):
+    """paper-helix plans Helix's general placements (benchmarks only): `coral preview` and
+    `coral render` refuse it with the fix, instead of rendering nodes vLLM would refuse. The
+    deployable stacks (dev, staging, prod) go through both commands in test_vllm_validation."""
+    monkeypatch.chdir(REPO)
+    library = ["--library", str(tmp_path / "library")]
+    for command in (["preview"], ["render", "--out", str(tmp_path / "ud")]):
+        r = runner.invoke(app, [*command, "--stack", "paper-helix", *library])
+        assert r.exit_code == 1, r.output
+        assert "only 'vllm' placements run on stock vLLM; set mode: vllm" in r.output
