@@ -11,7 +11,15 @@ import typer
 from rich.table import Table
 from rich.text import Text
 
-from coral_iac.cli.console import LIBRARY_ROOT, STACKS_DIR, err, out, progress_bar, reports_errors
+from coral_iac.cli.console import (
+    LIBRARY_ROOT,
+    STACKS_DIR,
+    err,
+    out,
+    progress_bar,
+    reports_errors,
+    warn,
+)
 from solver.errors import CoralError
 
 METHODS = ("coral", "homo", "cauchy")
@@ -131,6 +139,7 @@ def bench(
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from coral_iac.demand_sources import resolve_demand
     from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
     from solver.plan.demand import stack_demand
@@ -145,11 +154,10 @@ def bench(
         task: Any = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
+                stack_fleet = resolve_demand(load_stack(STACKS_DIR, name), name, STACKS_DIR, warn)
                 fleet = with_target(
                     with_traces(
-                        load_stack(STACKS_DIR, name)
-                        .with_mode(mode)
-                        .with_target_utilization(target_utilization),
+                        stack_fleet.with_mode(mode).with_target_utilization(target_utilization),
                         traces,
                     ),
                     target,

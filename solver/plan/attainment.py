@@ -122,6 +122,9 @@ class _Loop:
     ) -> None:
         self.fleet, self.perf, self.base, self.solve = fleet, perf, base, solve
         self.root, self.progress, self.count = root, progress, 0
+        # A model's simulation depends only on its own instances and the served fraction, so
+        # a round re-simulates only the models whose instances changed.
+        self.cache: dict[tuple[object, ...], ModelResult] = {}
 
     def run(
         self, headroom: dict[Job, float], simulate_it: bool = True
@@ -129,8 +132,13 @@ class _Loop:
         plan = self.solve(_scaled(self.base, headroom))
         if not simulate_it or not plan.instances:
             return plan, {}, {}
-        minutes = self.fleet.attainment.planning_minutes
-        sims = _simulate(plan, self.fleet, self.perf, "plan", minutes * 60, self.root)
+        keys = _fleet_keys(plan)
+        todo = {m for m, k in keys.items() if k not in self.cache}
+        if todo:
+            minutes = self.fleet.attainment.planning_minutes
+            fresh = _simulate(plan, self.fleet, self.perf, "plan", minutes * 60, self.root, todo)
+            self.cache.update({keys[m]: r for m, r in fresh.items()})
+        sims = {m: self.cache[k] for m, k in keys.items() if k in self.cache}
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
         if self.progress:
             line = ", ".join(f"{m} {100 * a:.1f}%" for m, a in sorted(planned.items()))
@@ -142,6 +150,15 @@ class _Loop:
         """Model -> points below its target plus MARGIN, for the models below it."""
         want = {m: self.fleet.models[m].slo_attainment + MARGIN for m in planned}
         return {m: want[m] - a for m, a in planned.items() if a < want[m]}
+
+
+def _fleet_keys(plan: Plan) -> dict[str, tuple[object, ...]]:
+    """Model -> what its simulation depends on: its instances' templates and the served
+    fraction (which sets the simulated demand)."""
+    out: dict[str, list[str]] = {}
+    for i in plan.instances:
+        out.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
+    return {m: (m, plan.served_fraction, *sorted(t)) for m, t in out.items()}
 
 
 def _relaxed(
@@ -229,12 +246,13 @@ def simulate_workload(
     purpose: Purpose,
     duration_s: float,
     root: Path | None = None,
+    models: set[str] | None = None,
 ) -> SimResult | None:
     """The plan simulated on its stack's planning or verification workload, at the demand it
     serves, for at least `duration_s` (longer when a model's rate needs it for MIN_REQUESTS);
-    None when it serves nothing."""
+    only `models` when given; None when it serves nothing."""
     traces, duration_s = _traces(fleet, purpose, duration_s, plan.served_fraction, root)
-    served = {i.model for i in plan.instances}
+    served = {i.model for i in plan.instances if models is None or i.model in models}
     traces = {m: t for m, t in traces.items() if m in served}
     return simulate(plan, fleet, perf, traces, duration_s) if traces else None
 
@@ -246,8 +264,9 @@ def _simulate(
     purpose: Purpose,
     duration_s: float,
     root: Path | None,
+    models: set[str] | None = None,
 ) -> dict[str, ModelResult]:
-    result = simulate_workload(plan, fleet, perf, purpose, duration_s, root)
+    result = simulate_workload(plan, fleet, perf, purpose, duration_s, root, models)
     return result.models if result is not None else {}
 
 
