@@ -19,6 +19,8 @@ from typing import Any
 import httpx
 
 from coral_iac.project import confined, project_root
+from solver.catalog.model_cards import load_model_cards
+from solver.catalog.offers import load_catalog
 from solver.errors import InputError
 from solver.operations.demand_rules import (
     GENERATION_METRIC,
@@ -34,6 +36,7 @@ from solver.operations.demand_rules import (
     with_floors,
 )
 from solver.stack import FleetConfig, PrometheusSource
+from solver.validation import check_fleet
 
 log = logging.getLogger(__name__)
 URL_FIELD = "coral:fleet.demand_source.prometheus.url"
@@ -197,11 +200,13 @@ def resolve_demand(
     """The fleet with each model's demand from its demand source; warnings go to `warn`.
 
     What `coral plan` and the Pulumi program call (`warn`: the CLI's console, or
-    `pulumi.log.warn`; default: this module's logger).
+    `pulumi.log.warn`; default: this module's logger). Being the first step of both, it also
+    checks the fleet against the catalog and model cards (`solver.validation.check_fleet`).
 
     Raises:
-        InputError: as `demand_report`.
+        InputError: as `demand_report` and `check_fleet`.
     """
+    check_fleet(fleet, load_catalog(), load_model_cards())  # fail early, with key paths
     report = demand_report(fleet, stack, stacks_dir)
     for line in report.warnings:
         (warn or log.warning)(line)

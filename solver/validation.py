@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
+from solver.catalog.market import check_regions
 from solver.catalog.model_cards import ModelCard
+from solver.catalog.offers import Catalog
 from solver.errors import InputError, unknown_value
 from solver.stack import FleetConfig
 
@@ -69,3 +71,33 @@ def check_models_against_cards(fleet: FleetConfig, cards: Mapping[str, ModelCard
                 f"use a workload whose requests fit {context} tokens "
                 "(`coral catalog models` lists each model's context)",
             )
+
+
+def check_node_configs(fleet: FleetConfig, catalog: Catalog) -> None:
+    """Every node config names a known GPU type and a GPU count (`l4x1`, `h100x8`).
+
+    Raises:
+        InputError: naming `coral:fleet.node_configs[i]`, with the closest known configs.
+    """
+    for i, node in enumerate(fleet.node_configs):
+        try:
+            catalog.node(node)
+        except InputError as exc:
+            raise InputError(
+                f"coral:fleet.node_configs[{i}]", exc.problem, exc.fix, exc.suggestions
+            ) from exc
+
+
+def check_fleet(fleet: FleetConfig, catalog: Catalog, cards: Mapping[str, ModelCard]) -> None:
+    """A parsed stack against the catalog and the model cards, before anything is built.
+
+    Regions the catalog sells in (or the stack prices), known node configs, known models whose
+    mean request fits their context: each error names its key path (`coral:fleet.regions[0].
+    region`) instead of surfacing later as an empty plan or an error without a path.
+
+    Raises:
+        InputError: the first problem found.
+    """
+    check_regions(fleet, catalog)
+    check_node_configs(fleet, catalog)
+    check_models_against_cards(fleet, cards)

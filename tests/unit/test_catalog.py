@@ -54,7 +54,7 @@ def test_malformed_offer_file_names_the_field(tmp_path):
     bad = text.replace("price_usd_per_hour: ", "price_usd_per_hour: -", 1)
     path = tmp_path / "offers.yaml"
     path.write_text(bad)
-    with pytest.raises(InputError, match=r"offers\.\d+\.price_usd_per_hour"):
+    with pytest.raises(InputError, match=r"offers\[\d+\]\.price_usd_per_hour"):
         load_catalog(offers_path=path)
 
 
