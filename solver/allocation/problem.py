@@ -46,23 +46,43 @@ class Solution:
     fraction: float
     report: SolverReport | None  # None for the greedy baseline
     binding: list[str]
+    columns: tuple[int, int] = (0, 0)  # (before, after) reduction, summed over the solves
 
 
 def make_columns(
     templates: dict[Job, list[ServingTemplate]], market: Market, demand: dict[Job, float]
 ) -> list[Column]:
-    """Every (template, region) pair whose region sells all of the template's nodes."""
+    """Every (template, region) pair whose region sells all of the template's nodes.
+
+    The price is `Market.template_price`'s (the same sum, in the same order); the region's
+    prices are looked up once per region rather than once per (template, region, node).
+    """
+    sellers = {region: _selling(market, region) for region in market.regions}
     columns = []
     for job in sorted(demand):
         if demand[job] <= 0:
             continue
         for t in templates.get(job, []):
-            usage = Counter(t.nodes)
-            for region in market.regions:
-                price = market.template_price(region, t.nodes)
-                if price is not None:
-                    columns.append(Column(job, region, t, price, tuple(sorted(usage.items()))))
+            kinds = set(t.nodes)
+            usage: tuple[tuple[str, int], ...] | None = None
+            for region, prices in sellers.items():
+                if not kinds <= prices.keys():
+                    continue
+                price = 0.0
+                for n in t.nodes:
+                    price += prices[n]
+                usage = usage or tuple(sorted(Counter(t.nodes).items()))
+                columns.append(Column(job, region, t, price, usage))
     return columns
+
+
+def _selling(market: Market, region: RegionId) -> dict[str, float]:
+    """Node config -> $/hour of the nodes `region` has available (`template_price`'s rule)."""
+    return {
+        n: p
+        for (r, n), p in market.price.items()
+        if r == region and market.available.get((r, n), 0) > 0
+    }
 
 
 def upper_bound(col: Column, market: Market, demand: float) -> int:

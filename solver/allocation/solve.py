@@ -15,121 +15,22 @@ cheapest plan serving phi. Saturated constraints of the first solve are reported
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 
 from ortools.linear_solver import pywraplp
 
-from solver.allocation.constraints import (
-    FRACTION_STEPS,
-    add_availability,
-    add_budget,
-    add_colocation,
-    add_demand,
-    add_gpu_pools,
-    add_keep_running,
-    instance_counts,
-    node_usage,
-)
+from solver.allocation.constraints import FRACTION_STEPS
+from solver.allocation.decompose import Part, objective_of, solve_parts, union
 from solver.allocation.explain import MostServed, binding
-from solver.allocation.objective import hourly_cost, startup_penalty
+from solver.allocation.model import BACKEND_IDS, STATUS, IlpModel, new_solver, values
 from solver.allocation.problem import Problem, Solution
+from solver.allocation.reduction import reduce_columns
 from solver.errors import AllocationError
 from solver.plan.schema import SolverReport
-from solver.types import Job
 
 __all__ = ["BACKEND_IDS", "FRACTION_STEPS", "new_solver", "solve_allocation"]
 
-BACKEND_IDS = {"cp-sat": "CP_SAT", "scip": "SCIP", "highs": "HIGHS"}
-
-
-def new_solver(backend: str) -> pywraplp.Solver:
-    """An empty OR-Tools model on `backend`, quiet.
-
-    Raises:
-        AllocationError: this OR-Tools build has no such backend.
-    """
-    solver = pywraplp.Solver.CreateSolver(BACKEND_IDS[backend])
-    if solver is None:
-        raise AllocationError(
-            f"OR-Tools has no {backend} backend in this build",
-            "unavailable",
-            "set coral:fleet.allocation.backend to another of scip, cp-sat, highs, or "
-            "reinstall ortools",
-        )
-    solver.SuppressOutput()  # HiGHS prints a banner to stdout otherwise (breaks --json)
-    return solver
-
-
-class _Model:
-    """The ILP over a problem's columns, with demand scaled by phi (fixed or a variable)."""
-
-    def __init__(self, problem: Problem, maximise_fraction: bool, min_fraction: float) -> None:
-        s = problem.settings
-        self.problem = problem
-        self.solver = solver = new_solver(s.backend)
-        self.nu = instance_counts(solver, problem)
-        use = node_usage(problem)
-        self.slot_rows = add_availability(solver, problem, self.nu, use)
-        self.pool_rows = add_gpu_pools(solver, problem, self.nu, use)
-        self.phi = solver.IntVar(0, FRACTION_STEPS, "phi") if maximise_fraction else None
-        add_demand(solver, problem, self.nu, self.phi, min_fraction)
-        if s.colocate_phases:
-            add_colocation(solver, problem, self.nu)
-        if s.add_only:
-            add_keep_running(solver, problem, self.nu)
-        self.cost = hourly_cost(solver, problem, self.nu)
-        if s.budget_usd_per_hour is not None:
-            add_budget(solver, self.cost, s.budget_usd_per_hour)
-        if self.phi is not None:
-            solver.Maximize(self.phi)
-            return
-        self.penalty = startup_penalty(solver, problem, self.nu)
-        solver.Minimize(self.cost + self.penalty)
-
-    def hint_from(self, counts: dict[int, int] | None) -> None:
-        """Give the solver a feasible starting plan (SCIP and CP-SAT; OR-Tools 9.15's HiGHS
-        interface crashed with a hint, so HiGHS starts cold). A most-served model also gets
-        the plan's served fraction, so the hint is a complete solution."""
-        if not counts or self.problem.settings.backend == "highs":
-            return
-        variables = list(self.nu)
-        values = [float(counts.get(i, 0)) for i in range(len(self.nu))]
-        if self.phi is not None:
-            variables.append(self.phi)
-            values.append(float(self._served_steps(counts)))
-        self.solver.SetHint(variables, values)
-
-    def _served_steps(self, counts: dict[int, int]) -> int:
-        """The largest phi (in FRACTION_STEPS) that `counts` serves for every job."""
-        have: dict[Job, float] = {}
-        for i, n in counts.items():
-            job = self.problem.columns[i].job
-            have[job] = have.get(job, 0.0) + n * self.problem.columns[i].template.throughput
-        ratios = [have.get(j, 0.0) / d for j, d in self.problem.demand.items() if d > 0]
-        return max(0, min(FRACTION_STEPS, math.floor(min(ratios, default=1.0) * FRACTION_STEPS)))
-
-    def solve(self, relative_gap: float | None = None) -> tuple[int, float]:
-        """Solve within the stack's time limit, to `relative_gap` (default: the stack's).
-
-        Returns:
-            The OR-Tools status and the seconds the solve took.
-        """
-        s, solver = self.problem.settings, self.solver
-        gap = s.relative_gap if relative_gap is None else relative_gap
-        solver.SetTimeLimit(int(s.time_limit_s * 1000))
-        params = pywraplp.MPSolverParameters()
-        params.SetDoubleParam(params.RELATIVE_MIP_GAP, gap)
-        # SCIP and HiGHS run single-threaded (SCIP segfaulted with threads > 1).
-        if s.backend == "cp-sat":
-            # Fixed seed and interleaved workers: the same inputs give the same plan.
-            solver.SetSolverSpecificParametersAsString(
-                f"num_workers:{s.threads} interleave_search:true random_seed:0 "
-                f"relative_gap_limit:{gap}"
-            )
-        start = time.perf_counter()
-        status = solver.Solve(params)
-        return status, time.perf_counter() - start
+_Model = IlpModel  # the name tests patch
 
 
 def _check(status: int, what: str, problem: Problem) -> None:
@@ -165,7 +66,7 @@ def _homogeneous_plan(
     does), or with `maximise_fraction`, the most-served plan."""
     idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
-    model = _Model(
+    model = IlpModel(
         sub,
         maximise_fraction=maximise_fraction,
         min_fraction=0.0 if maximise_fraction else min_fraction,
@@ -180,22 +81,14 @@ def _price(problem: Problem, counts: dict[int, int]) -> float:
     return sum(n * problem.columns[i].price for i, n in counts.items())
 
 
-STATUS = {
-    pywraplp.Solver.OPTIMAL: "optimal",
-    pywraplp.Solver.FEASIBLE: "feasible",
-    pywraplp.Solver.INFEASIBLE: "infeasible",
-    pywraplp.Solver.UNBOUNDED: "unbounded",
-    pywraplp.Solver.ABNORMAL: "abnormal",
-    pywraplp.Solver.NOT_SOLVED: "not solved",
-}
-
-
 def solve_allocation(problem: Problem) -> Solution:
     """The cheapest plan meeting all demand, or, when scarce, the most uniform fraction of it.
 
-    Each cost solve starts from a feasible hint when one is at hand (the cheapest plan using
-    single-node-config templates only, or the most-served plan), so a time limit still returns
-    a plan with a reported gap.
+    First each job (or colocated model) alone, on its reduced columns (`decompose`): when the
+    parts' plans fit together, that is the plan, within the parts' summed bounds. Otherwise a
+    joint cost solve on the columns `reduction` keeps against a feasible start (the cheapest
+    plan using single-node-config templates only, or the most-served plan) and the parts'
+    bounds, so a time limit still returns a plan with a reported gap.
 
     Raises:
         AllocationError: the backend is missing, a solve ended without a plan, or an add-only
@@ -203,20 +96,76 @@ def solve_allocation(problem: Problem) -> Solution:
     """
     if problem.settings.add_only:
         _check_keepable(problem)
-    start_plan, seconds = _homogeneous_plan(problem)
+    parts, seconds = solve_parts(problem, 1.0)
+    if (plan := union(problem, parts)) is not None:
+        return _from_parts(problem, parts, plan, 1.0, [], seconds)
+    start_plan, sec = _homogeneous_plan(problem)
+    seconds += sec
     fraction, lines = 1.0, list[str]()
     if start_plan is None:
         fraction, lines, start_plan, sec = _most_served(problem)
-        seconds += sec
-    model = _Model(problem, maximise_fraction=False, min_fraction=fraction)
-    model.hint_from(start_plan)
+        parts, more = solve_parts(problem, fraction)
+        seconds += sec + more
+        if (plan := union(problem, parts)) is not None:
+            return _from_parts(problem, parts, plan, fraction, lines, seconds)
+    return _joint(problem, parts, start_plan, fraction, lines, seconds)
+
+
+def _joint(
+    problem: Problem,
+    parts: list[Part],
+    start: dict[int, int],
+    fraction: float,
+    lines: list[str],
+    seconds: float,
+) -> Solution:
+    """The cost solve of the whole on the columns no plan cheaper than `start` can spare.
+
+    Raises:
+        AllocationError: it ended without a plan.
+    """
+    upper = objective_of(problem, start)
+    lower = {p.jobs: p.bound for p in parts if p.bound is not None}
+    used = {i for i, n in start.items() if n}
+    kept = sorted(set(reduce_columns(problem, upper, lower, fraction)) | used)
+    small = replace(problem, columns=[problem.columns[i] for i in kept])
+    model = IlpModel(small, maximise_fraction=False, min_fraction=fraction)
+    where = {i: k for k, i in enumerate(kept)}
+    model.hint_from({where[i]: n for i, n in start.items() if n})
     status, sec = model.solve()
-    seconds += sec
     _check(status, "the cost solve", problem)
-    counts = {
-        i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5
-    }
-    return Solution(counts, fraction, _report(model, status, seconds), lines)
+    counts = {kept[k]: n for k, n in values(model).items()}
+    objective = model.solver.Objective().Value()
+    bound = proven_bound(model.solver.Objective().BestBound())
+    if objective > upper:  # the solver stopped short of its start: keep the start
+        counts, objective = {i: n for i, n in start.items() if n}, upper
+    if bound is not None:
+        bound = min(bound, upper)  # every plan cheaper than `start` is a plan of `small`
+    report = _report(problem, STATUS.get(status, str(status)), objective, bound, seconds + sec)
+    return Solution(counts, fraction, report, lines, (len(problem.columns), len(kept)))
+
+
+def _from_parts(
+    problem: Problem,
+    parts: list[Part],
+    plan: dict[int, int],
+    fraction: float,
+    lines: list[str],
+    seconds: float,
+) -> Solution:
+    """The parts' plans as the plan: their summed objective and bounds."""
+    bounds = [p.bound for p in parts]
+    bound = None if any(b is None for b in bounds) else sum(b for b in bounds if b is not None)
+    optimal = all(p.status == pywraplp.Solver.OPTIMAL for p in parts)
+    report = _report(
+        problem,
+        "optimal" if optimal else "feasible",
+        objective_of(problem, plan),
+        bound,
+        seconds,
+    )
+    after = sum(p.columns[1] for p in parts)
+    return Solution(plan, fraction, report, lines, (len(problem.columns), after))
 
 
 def _check_keepable(problem: Problem) -> None:
@@ -249,7 +198,7 @@ def _most_served(problem: Problem) -> tuple[float, list[str], dict[int, int], fl
     """
     # This solve is always feasible (nothing is a solution), and its plan is the cost solve's
     # start, so a cost solve that times out still has a plan (a cold one could end with none).
-    scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
+    scarce = IlpModel(problem, maximise_fraction=True, min_fraction=0.0)
     # Start from the most-served single-config plan, so a time limit never leaves Coral
     # serving less than the homogeneous (Cauchy-like) templates alone would.
     homogeneous, seconds = _homogeneous_plan(problem, maximise_fraction=True)
@@ -283,22 +232,22 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
     if problem.settings.budget_usd_per_hour is None:
         return None
     settings = problem.settings.model_copy(update={"budget_usd_per_hour": None})
-    unbounded = _Model(replace(problem, settings=settings), True, 0.0)
+    unbounded = IlpModel(replace(problem, settings=settings), True, 0.0)
     status, _ = unbounded.solve(relative_gap=0.0)  # compared with the optimal phi
     _check(status, "the most-served solve without the budget", problem)
     assert unbounded.phi is not None
     return int(round(unbounded.phi.solution_value()))
 
 
-def _report(model: _Model, status: int, seconds: float) -> SolverReport:
+def _report(
+    problem: Problem, status: str, objective: float, bound: float | None, seconds: float
+) -> SolverReport:
     """What the plan records of the cost solve: status, objective, bound, gap, time."""
-    objective = model.solver.Objective().Value()
-    bound = proven_bound(model.solver.Objective().BestBound())
     gap = relative_gap_of(objective, bound)
-    s = model.problem.settings
+    s = problem.settings
     return SolverReport(
         backend=s.backend,
-        status=STATUS.get(status, str(status)),
+        status=status,
         objective=round(objective, 6),
         best_bound=None if bound is None else round(bound, 6),
         gap=None if gap is None else round(gap, 6),

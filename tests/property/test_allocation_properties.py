@@ -62,6 +62,7 @@ def solve(f):
 @SETTINGS
 @given(demands, availability, st.integers(0, len(SLOTS) - 1), st.integers(1, 4))
 def test_more_availability_never_raises_the_optimum(rps, avail, slot, extra):
+    assume(any(avail))  # no node available anywhere is an input error (market)
     base = solve(with_inputs(rps, avail))
     more = list(avail)
     more[slot] += extra
@@ -74,6 +75,7 @@ def test_more_availability_never_raises_the_optimum(rps, avail, slot, extra):
 @SETTINGS
 @given(demands, availability, st.floats(0.3, 1.0))
 def test_less_demand_never_raises_the_optimum(rps, avail, factor):
+    assume(any(avail))  # no node available anywhere is an input error (market)
     full = solve(with_inputs(rps, avail))
     less = solve(with_inputs({m: d * factor for m, d in rps.items()}, avail))
     if full.served_fraction == 1:
@@ -93,6 +95,7 @@ def test_scaling_every_price_scales_the_optimum(rps, k):
 @SETTINGS
 @given(demands, availability)
 def test_relabelling_regions_and_models_changes_nothing(rps, avail):
+    assume(any(avail))  # no node available anywhere is an input error (market)
     base = solve(with_inputs(rps, avail))
     f = with_inputs(rps, avail)
     swapped = f.model_copy(
