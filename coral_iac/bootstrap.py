@@ -156,7 +156,7 @@ def instance_engine(
         max_model_len=min(max_model_len, card.max_context),
         max_num_seqs=max_num_seqs,
         max_num_batched_tokens=max(max_num_batched_tokens, max_num_seqs),
-        dtype=dtype,  # type: ignore[arg-type]
+        dtype=dtype,
         attention_backend=backend if pair else None,
         gpu_memory_utilization=gpu_memory_utilization,
         distributed_timeout_s=distributed_timeout_s(card.weight_bytes / 1e9),

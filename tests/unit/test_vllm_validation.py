@@ -119,9 +119,9 @@ def _pair_rules(procs: list[Proc], results: dict[str, dict]) -> list[str]:
             if ("--attention-backend" in p.argv)
             else None
         )
-        by_model[(p.id.split("/")[0], p.model)].add(
-            (results[p.id]["settings"]["dtype"], backend, kv)
-        )
+        # a stack's nodes share its name; a golden pair's two folders are one pair
+        where = p.id.split("/")[0].removesuffix("-prefill").removesuffix("-decode")
+        by_model[(where, p.model)].add((results[p.id]["settings"]["dtype"], backend, kv))
     for (where, model), seen in by_model.items():
         if len(seen) > 1:
             problems.append(f"{where} {model}: prefill/decode disagree on {sorted(seen)}")
@@ -185,3 +185,28 @@ def test_mutations_fail_with_vllms_own_message(models):
         r = results[proc.id]
         assert not r["ok"], f"{name}: vLLM accepted {proc.argv}"
         assert message in r["error"], f"{name}: {r['error']}"
+
+
+def test_own_rules_catch_what_vllm_accepts(models):
+    """vLLM accepts an empty stage (a 0 in the partition) and nodes of one instance that differ;
+    our rules refuse both, and a P/D pair whose dtypes differ."""
+    procs = [p for p in golden_nodes() if p.id.startswith("uniform-tp-multi-node/")]
+    assert len(procs) == 2
+    empty = copy.deepcopy(procs)
+    for p in empty:
+        p.partition = "80,0"
+        p.id += "+empty"
+    differ = copy.deepcopy(procs)
+    differ[1] = _set(differ[1], "--max-num-seqs", "128")
+    pair = [
+        p
+        for p in golden_nodes()
+        if p.id.startswith("disaggregated-") and "--headless" not in p.argv
+    ]
+    pair[0] = _set(pair[0], "--dtype", "float16")
+    results = run_vllm_checks(empty + differ + pair + procs[1:], models)  # one import
+    assert all(r["ok"] for r in results.values()), results
+    assert any("empty pipeline stage" in m for m in _own_rules(empty, results))
+    assert any("different engine settings" in m for m in _own_rules(differ, results))
+    assert any("disagree" in m for m in _pair_rules(pair, results))
+    assert not _own_rules(procs, results)
