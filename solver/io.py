@@ -177,7 +177,7 @@ def _quoted_input(value: Any, nested: bool) -> str:
     if isinstance(value, dict | list | tuple):
         return f" (got a {type(value).__name__})"
     text = repr(value)
-    if not nested or len(text) > 80 or "\n" in text:
+    if not nested or len(text) > 40 or "\n" in str(value):
         return f" (got a {type(value).__name__} of {len(str(value))} characters)"
     return f" (got {text})"
 
