@@ -11,9 +11,8 @@ from typing import Annotated
 
 import typer
 import yaml
-from rich.table import Table
 
-from coral_iac.cli.console import err, out, print_json, reports_errors
+from coral_iac.cli.console import err, out, print_json, reports_errors, wrapping_table
 
 catalog_app = typer.Typer(help="GPU types, node configs and cloud offers.", no_args_is_help=True)
 
@@ -33,21 +32,10 @@ def catalog_show(
     if as_json:
         print_json([o.model_dump(mode="json") | {"node": o.node} for o in offers])
         return
-    table = Table(title=f"{len(offers)} offers (on-demand, USD/hour)")
-    for col in (
-        "cloud",
-        "region",
-        "node",
-        "instance type",
-        "$/hour",
-        "$/GPU-hour",
-        "net Gbps",
-        "avail",
-        "price read",
-    ):
-        table.add_column(col, justify="right" if col[0] in "$na" else "left")
-    for o in offers:
-        table.add_row(
+    right = ("$/hour", "$/GPU-hour", "net Gbps", "avail")
+    headers = ["cloud", "region", "node", "instance type", *right, "price read"]
+    rows = [
+        [
             o.cloud,
             o.region,
             o.node,
@@ -57,13 +45,59 @@ def catalog_show(
             f"{o.network_gbps:g}",
             str(o.availability),
             str(o.retrieved),
-        )
+        ]
+        for o in offers
+    ]
+    columns = [(h, "right" if h in right else "left") for h in headers]
+    table = wrapping_table(f"{len(offers)} offers (on-demand, USD/hour)", columns, rows)
     out.print(table)
     if cat.unsold_shapes:
         err.print(
             "Shapes of the 1/2/4/8-GPU grid no cloud here sells: "
             + ", ".join(f"{u.cloud}:{u.node}" for u in cat.unsold_shapes)
         )
+
+
+@catalog_app.command("models")
+@reports_errors
+def catalog_models(
+    as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
+) -> None:
+    """Every model id a stack may serve: layers, parameters, context and where it comes from."""
+    from solver.catalog.model_cards import load_model_cards
+
+    cards = load_model_cards()
+    rows = [
+        {
+            "id": model,
+            "name": card.display_name,
+            "layers": card.layers,
+            "params_b": card.params_b,
+            "moe": card.is_moe,
+            "context": card.max_context,
+            "source": card.hf_repo,
+        }
+        for model, card in sorted(cards.items())
+    ]
+    if as_json:
+        print_json(rows)
+        return
+    cells = [
+        [
+            str(r["id"]),
+            str(r["layers"]),
+            (f"{r['params_b']:g}B" if r["params_b"] is not None else "-")
+            + (" MoE" if r["moe"] else ""),
+            f"{r['context']:,}",
+            str(r["source"]),
+        ]
+        for r in rows
+    ]
+    columns = [("id", "left"), ("layers", "right"), ("parameters", "right")]
+    columns += [("context", "right"), ("source", "left")]
+    title = f"{len(rows)} models (ids for coral:fleet.models; source: Hugging Face)"
+    table = wrapping_table(title, columns, cells)
+    out.print(table)
 
 
 @catalog_app.command("import-skypilot")
@@ -99,9 +133,9 @@ def catalog_import_skypilot(
     doc = {"schema_version": 1, "offers": [o.model_dump(mode="json") for o in offers]}
     text = yaml.safe_dump(doc, sort_keys=False)
     if out_path:
-        out_path.write_text(text, encoding="utf-8")
+        from solver.io import write_atomic
+
+        write_atomic(out_path, text)
         err.print(f"Wrote {len(offers)} offers to {out_path}")
     else:
         sys.stdout.write(text)
-
-

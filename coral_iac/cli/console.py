@@ -16,6 +16,7 @@ from typing import Annotated, Any, TypeVar
 import typer
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.table import Table
 from rich.text import Text
 
 from coral_iac import project
@@ -86,6 +87,26 @@ def reports_errors(fn: F) -> F:
 def warn(line: str) -> None:
     """A warning on stderr, as plain text (markup would eat brackets in it)."""
     err.print(Text.assemble(("Warning:", "yellow"), " ", line), highlight=False)
+
+
+def wrapping_table(title: str, columns: list[tuple[str, str]], rows: list[list[str]]) -> Table:
+    """A table whose cells wrap (fold) instead of ending in "..." on a narrow terminal or in a
+    CI log: an identifier (a region, a node config) may take two lines, never lose its end.
+
+    Args:
+        title: the table's title.
+        columns: (header, justify) per column: "left" or "right".
+        rows: the cells, one list per row, as text.
+
+    Returns:
+        The table, ready for `out.print`.
+    """
+    table = Table(title=title)
+    for header, justify in columns:
+        table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
+    for r in rows:
+        table.add_row(*r)
+    return table
 
 
 def print_json(data: Any) -> None:
