@@ -91,11 +91,17 @@ def plan_to_target(
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
+    boost: dict[str, float] = {}  # a cut that changed none of a model's instances doubles
     while rounds and plan.instances and (short := loop.short(planned)):
         for model, gap in short.items():
-            _raise_headroom(headroom, model, gap, sims[model], fleet)
+            _raise_headroom(headroom, model, gap, sims[model], fleet, boost.get(model, 1.0))
         rounds -= 1
+        before = _fleet_keys(plan)
         plan, planned, sims = loop.run(headroom)
+        after = _fleet_keys(plan)
+        for model in short:
+            same = before.get(model) == after.get(model)
+            boost[model] = boost.get(model, 1.0) * 2 if same else 1.0
     while rounds and plan.instances and not loop.short(planned):  # give back spare headroom
         trial = _relaxed(headroom, planned, fleet)
         if trial is None:
@@ -183,9 +189,15 @@ def _scaled(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, flo
 
 
 def _raise_headroom(
-    headroom: dict[Job, float], model: str, gap: float, result: ModelResult, fleet: FleetConfig
+    headroom: dict[Job, float],
+    model: str,
+    gap: float,
+    result: ModelResult,
+    fleet: FleetConfig,
+    boost: float = 1.0,
 ) -> None:
-    """Lower the capacity of the phase(s) a short model's misses come from."""
+    """Lower the capacity of the phase(s) a short model's misses come from (at least
+    MIN_STEP x `boost`: whole instances can absorb a small cut unchanged)."""
     spec = fleet.models[model]
     jobs = [job for job in headroom if job[0] == model]
     if spec.serving == "aggregated" or result.prefill_done_s is None:
@@ -201,7 +213,7 @@ def _raise_headroom(
     for job in jobs:
         share = shares.get(job, 0.0)
         if share >= 0.2:
-            headroom[job] *= 1.0 - min(MAX_STEP, max(MIN_STEP, GAIN * gap * share))
+            headroom[job] *= 1.0 - min(MAX_STEP, max(MIN_STEP * boost, GAIN * gap * share))
 
 
 def _traces(
