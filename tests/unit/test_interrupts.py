@@ -3,6 +3,7 @@ leave the previous files intact, and the next run works (issue #18)."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -33,6 +34,17 @@ def _children(pid: int) -> set[int]:
     return found
 
 
+def _descendants(pid: int) -> set[int]:
+    """Children, their children, and so on (Ray's raylet starts its workers)."""
+    found: set[int] = set()
+    todo = [pid]
+    while todo:
+        for child in _children(todo.pop()) - found:
+            found.add(child)
+            todo.append(child)
+    return found
+
+
 def _alive(pid: int) -> bool:
     try:
         state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
@@ -50,9 +62,10 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
-def _build(project: Path, stack: str, out: str) -> subprocess.Popen[str]:
+def _build(project: Path, stack: str, out: str, executor: str = "process") -> subprocess.Popen[str]:
+    command = ["templates", "build", "--stack", stack, "--out", out, "--workers", "2"]
     return subprocess.Popen(
-        [str(CORAL), "templates", "build", "--stack", stack, "--out", out, "--workers", "2"],
+        [str(CORAL), *command, "--executor", executor],
         cwd=project,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -61,20 +74,33 @@ def _build(project: Path, stack: str, out: str) -> subprocess.Popen[str]:
     )
 
 
+RAY = pytest.param(
+    "ray",
+    marks=[
+        pytest.mark.slow,
+        pytest.mark.skipif(importlib.util.find_spec("ray") is None, reason="ray not installed"),
+    ],
+)
+
+
 @pytest.mark.skipif(not Path("/proc").is_dir() or not CORAL.exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("executor", ["process", RAY])
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
-def test_a_signal_during_a_pool_build_ends_every_worker(project: Path, signum: int) -> None:
+def test_a_signal_during_a_build_ends_every_worker(
+    project: Path, signum: int, executor: str
+) -> None:
     previous = project / "lib" / "previous.json"
     previous.parent.mkdir()
     previous.write_bytes(b'{"previous": true}\n')
-    proc = _build(project, "paper-core", "lib")
+    proc = _build(project, "paper-core", "lib", executor)
     workers: set[int] = set()
     deadline = time.monotonic() + 120
     while len(workers) < 2 and proc.poll() is None and time.monotonic() < deadline:
-        workers |= _children(proc.pid)
+        workers |= _descendants(proc.pid)
         time.sleep(0.02)
     assert len(workers) >= 2, "the build never started its two workers"
-    time.sleep(0.3)  # the workers are placing templates now
+    time.sleep(0.3 if executor == "process" else 5)  # the workers are placing templates now
+    workers |= _descendants(proc.pid)
     if signum == signal.SIGINT:
         os.killpg(proc.pid, signum)  # Ctrl-C: the whole foreground group, workers included
     else:
