@@ -9,9 +9,9 @@ import typer
 from rich.table import Table
 
 from coral_iac.cli.console import (
-    STACKS_DIR,
     MeasuredOpt,
     err,
+    load_stack_named,
     out,
     print_json,
     progress_bar,
@@ -38,9 +38,7 @@ class TemplateRow(TypedDict):
 
 
 def _fleet(stack: str, mode: str | None) -> Any:
-    from solver.stack import load_stack
-
-    fleet = load_stack(STACKS_DIR, stack)
+    fleet = load_stack_named(stack)  # the project root from any subfolder; the name checked
     return fleet if mode is None else fleet.with_mode(mode)
 
 
