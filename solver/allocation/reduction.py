@@ -21,7 +21,10 @@ region), so there is nothing to aggregate.
 
 from __future__ import annotations
 
-from solver.allocation.problem import Problem
+import numpy as np
+
+from solver.allocation.problem import Problem, upper_bound
+from solver.catalog.market import RegionId
 from solver.types import Job
 
 SLACK = 1e-9  # relative: a column exactly at the budget is kept
@@ -95,3 +98,76 @@ def reduce_columns(
         if spend <= budget.get(c.job, float("inf")) or problem.running.get(c.running_key, 0):
             kept.append(i)
     return kept
+
+
+def undominated(problem: Problem, by_price: bool = True) -> list[int]:
+    """Indices of the columns no other column of the same job and region dominates.
+
+    Column j dominates k when T(j) >= T(k), p(j) <= p(k) and j uses no more than k of every
+    row that can bind (`_rows`): swapping every instance of k for one of j keeps every
+    constraint (colocation counts are per model and region, the same) and costs no more, so
+    dropping k never changes the optimum, of the cost or of the served fraction. Of columns that
+    dominate each other the first (by throughput, then price, then index) stays. A column
+    whose upper bound is 0 (it needs more nodes or GPUs than its region has) goes too. Running
+    columns always stay. With `by_price` False prices are not compared: right for the
+    most-served solve without a budget, where cost plays no part.
+
+    The library already drops a template when a sub-multiset of its nodes does as well; what is
+    new here is the stack's market: an availability row that a GPU pool implies cannot bind, so
+    two templates with the same GPUs on different node shapes compete on throughput and price.
+
+    Returns:
+        The kept indices, in order.
+    """
+    groups: dict[tuple[Job, RegionId], list[int]] = {}
+    for i, c in enumerate(problem.columns):
+        usable = upper_bound(c, problem.market, problem.demand[c.job]) > 0
+        if usable or problem.running.get(c.running_key, 0):
+            groups.setdefault((c.job, c.region), []).append(i)
+    rows = {region: _rows(problem, region) for _, region in groups}
+    kept: list[int] = []
+    for (_, region), idx in groups.items():
+        kept.extend(_front(problem, idx, rows[region], by_price))
+    return sorted(kept)
+
+
+def _rows(problem: Problem, region: RegionId) -> dict[str, list[tuple[str, int]]]:
+    """Node config -> the rows one node of it counts in, with its weight there: its
+    availability row (unless implied: the pool of its GPU holds no more than A[r,c] n_g(c)
+    GPUs, so sum U nu n_g <= P[r,g] <= A[r,c] n_g), and its GPU's pool, if any."""
+    market = problem.market
+    out: dict[str, list[tuple[str, int]]] = {}
+    for (r, node), a in market.available.items():
+        if r != region:
+            continue
+        gpu, per_node = market.gpu_of[node]
+        pool = market.gpu_pools.get((region, gpu))
+        out[node] = [] if pool is not None and a * per_node >= pool else [(node, 1)]
+        if pool is not None:
+            out[node].append((f"gpu:{gpu}", per_node))
+    return out
+
+
+def _front(
+    problem: Problem, idx: list[int], rows: dict[str, list[tuple[str, int]]], by_price: bool
+) -> list[int]:
+    """The undominated columns among `idx` (one job, one region)."""
+    cols = [problem.columns[i] for i in idx]
+    names = sorted({name for c in cols for n, _ in c.usage for name, _ in rows[n]})
+    at = {name: k for k, name in enumerate(names)}
+    use = np.zeros((len(cols), len(names)))
+    for row, c in enumerate(cols):
+        for node, k in c.usage:
+            for name, weight in rows[node]:
+                use[row, at[name]] += k * weight
+    thr = np.array([c.template.throughput for c in cols])
+    price = np.array([c.price if by_price else 0.0 for c in cols])
+    order = sorted(range(len(cols)), key=lambda k: (-thr[k], price[k], idx[k]))
+    front: list[int] = []
+    for k in order:
+        if front and not problem.running.get(cols[k].running_key, 0):
+            f = np.array(front)
+            if np.any((price[f] <= price[k]) & np.all(use[f] <= use[k], axis=1)):
+                continue  # thr[f] >= thr[k]: f comes first in `order`
+        front.append(k)
+    return [idx[k] for k in front]

@@ -15,6 +15,7 @@ cheapest plan serving phi. Saturated constraints of the first solve are reported
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import replace
 
 from ortools.linear_solver import pywraplp
@@ -24,7 +25,7 @@ from solver.allocation.decompose import Part, objective_of, solve_parts, union
 from solver.allocation.explain import MostServed, binding
 from solver.allocation.model import BACKEND_IDS, STATUS, IlpModel, new_solver, values
 from solver.allocation.problem import Problem, Solution
-from solver.allocation.reduction import reduce_columns
+from solver.allocation.reduction import reduce_columns, undominated
 from solver.errors import AllocationError
 from solver.plan.schema import SolverReport
 
@@ -96,7 +97,21 @@ def solve_allocation(problem: Problem) -> Solution:
     """
     if problem.settings.add_only:
         _check_keepable(problem)
-    parts, seconds = solve_parts(problem, 1.0)
+    start = time.perf_counter()
+    kept = undominated(problem)
+    small = replace(problem, columns=[problem.columns[i] for i in kept])
+    sol = _solve(small, time.perf_counter() - start)
+    return replace(
+        sol,
+        counts={kept[i]: n for i, n in sol.counts.items()},
+        columns=(len(problem.columns), sol.columns[1]),
+    )
+
+
+def _solve(problem: Problem, seconds: float) -> Solution:
+    """`solve_allocation` on the undominated columns (`seconds` spent so far)."""
+    parts, sec = solve_parts(problem, 1.0)
+    seconds += sec
     if (plan := union(problem, parts)) is not None:
         return _from_parts(problem, parts, plan, 1.0, [], seconds)
     start_plan, sec = _homogeneous_plan(problem)
@@ -198,10 +213,14 @@ def _most_served(problem: Problem) -> tuple[float, list[str], dict[int, int], fl
     """
     # This solve is always feasible (nothing is a solution), and its plan is the cost solve's
     # start, so a cost solve that times out still has a plan (a cold one could end with none).
-    scarce = IlpModel(problem, maximise_fraction=True, min_fraction=0.0)
+    # Without a budget cost plays no part here, so prices are not compared in dominance.
+    budgeted = problem.settings.budget_usd_per_hour is not None
+    keep = list(range(len(problem.columns))) if budgeted else undominated(problem, False)
+    sub = replace(problem, columns=[problem.columns[i] for i in keep])
+    scarce = IlpModel(sub, maximise_fraction=True, min_fraction=0.0)
     # Start from the most-served single-config plan, so a time limit never leaves Coral
     # serving less than the homogeneous (Cauchy-like) templates alone would.
-    homogeneous, seconds = _homogeneous_plan(problem, maximise_fraction=True)
+    homogeneous, seconds = _homogeneous_plan(sub, maximise_fraction=True)
     scarce.hint_from(homogeneous)
     # phi is an integer number of steps, so gap 0 (proven optimal) is what "the largest
     # fraction" means; the stack's gap is for cost, and a 1% gap here served up to 1% less.
@@ -210,13 +229,14 @@ def _most_served(problem: Problem) -> tuple[float, list[str], dict[int, int], fl
     _check(status, "the most-served solve", problem)
     assert scarce.phi is not None
     steps = round(scarce.phi.solution_value())
-    counts = {i: round(v.solution_value()) for i, v in enumerate(scarce.nu)}
+    found = {i: round(v.solution_value()) for i, v in enumerate(scarce.nu)}
     lines: list[str] = []
     if steps < FRACTION_STEPS:
         solved = MostServed(
-            counts, scarce.slot_rows, scarce.pool_rows, steps, _unbudgeted_steps(problem)
+            found, scarce.slot_rows, scarce.pool_rows, steps, _unbudgeted_steps(problem)
         )
-        lines = binding(problem, solved)
+        lines = binding(sub, solved)
+    counts = {keep[i]: n for i, n in found.items()}
     # The cost solve starts from the cheaper of that plan and the cheapest single-config
     # plan serving the same fraction, so it never ends dearer than the Cauchy-like one.
     cheap, sec = _homogeneous_plan(problem, min_fraction=steps / FRACTION_STEPS)
@@ -232,7 +252,9 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
     if problem.settings.budget_usd_per_hour is None:
         return None
     settings = problem.settings.model_copy(update={"budget_usd_per_hour": None})
-    unbounded = IlpModel(replace(problem, settings=settings), True, 0.0)
+    free = replace(problem, settings=settings)
+    free = replace(free, columns=[problem.columns[i] for i in undominated(free, False)])
+    unbounded = IlpModel(free, True, 0.0)
     status, _ = unbounded.solve(relative_gap=0.0)  # compared with the optimal phi
     _check(status, "the most-served solve without the budget", problem)
     assert unbounded.phi is not None
