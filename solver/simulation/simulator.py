@@ -37,6 +37,7 @@ next completion or arrival). Decode rounds are timed at each model's mean decode
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -50,35 +51,52 @@ from solver.templates.instance_model import InstanceModel
 
 
 def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
-    """nginx's smooth weighted round-robin: instance index for each of n requests, in order."""
-    current = [0.0] * len(weights)
+    """nginx's smooth weighted round-robin: instance index for each of n requests, in order.
+
+    Each request adds every weight to its instance's current value, picks the largest (the
+    lowest index on a tie) and takes the total off it. When the current values all come back
+    to exactly zero, the sequence so far repeats (it is a function of them): it is tiled."""
+    k = len(weights)
+    if k == 1 or n == 0:
+        return np.zeros(n, dtype=np.int64)
+    current = [0.0] * k
     total = sum(weights)
-    out = np.empty(n, dtype=np.int64)
-    for r in range(n):
-        for i, w in enumerate(weights):
-            current[i] += w
-        best = max(range(len(weights)), key=lambda i: (current[i], -i))
-        current[best] -= total
-        out[r] = best
-    return out
+    zero = [0.0] * k
+    pairs = list(enumerate(weights))
+    out: list[int] = []
+    for _ in range(n):
+        best, top = 0, -math.inf
+        for i, w in pairs:
+            v = current[i] = current[i] + w
+            if v > top:
+                best, top = i, v
+        current[best] = top - total
+        out.append(best)
+        if current == zero:
+            break
+    return np.resize(np.array(out, dtype=np.int64), n)
 
 
 def _chunked_prefill(
-    inst: InstanceModel, start: float, prompts: np.ndarray, limit: int
-) -> tuple[np.ndarray, float]:
+    inst: InstanceModel, start: float, prompts: list[int], limit: int
+) -> tuple[list[float], float]:
     """A batch of prompts streamed through the pipeline in chunks of at most `limit` tokens
     (vLLM's chunked prefill, with --max-num-batched-tokens = limit), starting at `start`.
     Returns each prompt's completion time (its last chunk out of the last stage) and when the
     pipeline can take new work (the first stage is free again). The last chunk is timed at
     its own size."""
-    total = int(prompts.sum())
+    total = sum(prompts)
     chunk = min(total, limit)
     n = math.ceil(total / chunk)
     latency, period = inst.prefill_ms(chunk)
     last_latency, last_period = inst.prefill_ms(total - (n - 1) * chunk)
-    k = np.ceil(np.cumsum(prompts) / chunk)  # the chunk each prompt ends in (1-based)
-    done_ms = np.where(k < n, latency + (k - 1) * period, (n - 1) * period + last_latency)
-    return start + done_ms / 1e3, start + ((n - 1) * period + last_period) / 1e3
+    last_ms = (n - 1) * period + last_latency
+    done, tokens = [], 0
+    for p in prompts:
+        tokens += p
+        k = math.ceil(tokens / chunk)  # the chunk this prompt ends in (1-based)
+        done.append(start + (latency + (k - 1) * period if k < n else last_ms) / 1e3)
+    return done, start + ((n - 1) * period + last_period) / 1e3
 
 
 def _prefill_pass(
@@ -88,18 +106,62 @@ def _prefill_pass(
     have arrived, up to `limit` tokens (one prompt over it is chunked). Returns each request's
     completion time (s)."""
     n = len(arrival)
-    done = np.full(n, np.inf)
+    arrival_l, prompt_l = arrival.tolist(), prompt.tolist()
+    done: list[float] = []
     t_free, i = 0.0, 0
     limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
     while i < n:
-        start = max(t_free, arrival[i])
-        j, tokens = i, 0
-        while j < n and arrival[j] <= start and (j == i or tokens + prompt[j] <= limit):
-            tokens += int(prompt[j])
+        start = max(t_free, arrival_l[i])
+        j, tokens = i + 1, prompt_l[i]
+        while j < n and arrival_l[j] <= start and tokens + prompt_l[j] <= limit:
+            tokens += prompt_l[j]
             j += 1
-        done[i:j], t_free = _chunked_prefill(inst, start, prompt[i:j], limit)
+        batch, t_free = _chunked_prefill(inst, start, prompt_l[i:j], limit)
+        done += batch
         i = j
-    return done
+    return np.array(done, dtype=np.float64)
+
+
+class _Running:
+    """The sequences decoding on one instance: a heap of the round (counted from the start)
+    each finishes in, so a run of rounds costs the sequences that finish, not the batch."""
+
+    def __init__(self, inst: InstanceModel) -> None:
+        self.inst = inst
+        self.heap: list[tuple[int, int]] = []  # (round it finishes in, request)
+        self.rounds = 0
+        self._round_s: dict[int, float] = {}  # batch size -> round time (s)
+
+    def __len__(self) -> int:
+        return len(self.heap)
+
+    def join(self, request: int, tokens: int) -> None:
+        heapq.heappush(self.heap, (self.rounds + tokens, request))
+
+    def round_s(self) -> float:
+        """One decode round's time at the current batch size (s)."""
+        size = len(self.heap)
+        if size not in self._round_s:
+            self._round_s[size] = self.inst.decode_round_ms(size) / 1e3
+        return self._round_s[size]
+
+    def left(self) -> int:
+        """Rounds until the next sequence finishes."""
+        return self.heap[0][0] - self.rounds
+
+    def advance(
+        self, t: float, k: int, round_s: float, finish: list[float]
+    ) -> tuple[float, list[int]]:
+        """Run k rounds from t: sequences that finish leave (finish time set). Returns the
+        time after them and the sequences that finished."""
+        t += k * round_s
+        self.rounds += k
+        done = []
+        while self.heap and self.heap[0][0] == self.rounds:
+            i = heapq.heappop(self.heap)[1]
+            finish[i] = t
+            done.append(i)
+        return t, done
 
 
 def _decode_pass(
@@ -109,67 +171,39 @@ def _decode_pass(
     (sorted), each holding `context` KV tokens at the end. Returns (first decode token time,
     finish time, peak KV tokens used)."""
     n = len(ready)
-    first, finish = np.full(n, np.inf), np.full(n, np.inf)
-    run_idx = np.empty(0, dtype=np.int64)
-    run_left = np.empty(0, dtype=np.int64)
+    ready_l, ctx, tok = ready.tolist(), context.tolist(), tokens.tolist()
+    first, finish = [math.inf] * n, [math.inf] * n
+    capacity, max_running = inst.kv_capacity, inst.max_running
+    running = _Running(inst)
     kv_used = peak = 0
     t, nxt = 0.0, 0
-    while nxt < n or len(run_idx):
+    while nxt < n or running:
         # Admit every ready request whose KV fits (FCFS: stop at the first that does not).
-        admit: list[int] = []
+        admitted = nxt
         while (
             nxt < n
-            and ready[nxt] <= t
-            and kv_used + context[nxt] <= inst.kv_capacity
-            and len(run_idx) + len(admit) < inst.max_running
+            and ready_l[nxt] <= t
+            and kv_used + ctx[nxt] <= capacity
+            and len(running) < max_running
         ):
-            kv_used += int(context[nxt])
-            admit.append(nxt)
+            kv_used += ctx[nxt]
+            running.join(nxt, tok[nxt])
             nxt += 1
-        if admit:
-            run_idx = np.concatenate([run_idx, np.array(admit, dtype=np.int64)])
-            run_left = np.concatenate([run_left, tokens[admit]])
-        if nxt < n and context[nxt] > inst.kv_capacity and ready[nxt] <= t and not len(run_idx):
+        if nxt < n and ctx[nxt] > capacity and ready_l[nxt] <= t and not running:
             nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
             continue
         peak = max(peak, kv_used)
-        if not len(run_idx):
-            t = max(t, ready[nxt])
+        if not running:
+            t = max(t, ready_l[nxt])
             continue
-        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
-        k = int(run_left.min())
-        blocked = nxt < n and (
-            kv_used + context[nxt] > inst.kv_capacity or len(run_idx) >= inst.max_running
-        )
-        if nxt < n and not blocked and ready[nxt] > t:
-            k = min(k, max(1, math.ceil((ready[nxt] - t) / round_s)))
-        new = np.isinf(first[run_idx])
-        first[run_idx[new]] = t + round_s
-        t, run_idx, run_left, kv_used = _rounds(
-            t, k, round_s, run_idx, run_left, finish, context, kv_used
-        )
-    return first, finish, peak
-
-
-def _rounds(
-    t: float,
-    k: int,
-    round_s: float,
-    run_idx: np.ndarray,
-    run_left: np.ndarray,
-    finish: np.ndarray,
-    context: np.ndarray,
-    kv_used: int,
-) -> tuple[float, np.ndarray, np.ndarray, int]:
-    """Run k decode rounds: sequences that finish leave (finish time set, KV freed)."""
-    t += k * round_s
-    run_left = run_left - k
-    done = run_left == 0
-    if done.any():
-        finish[run_idx[done]] = t
-        kv_used -= int(context[run_idx[done]].sum())
-        run_idx, run_left = run_idx[~done], run_left[~done]
-    return t, run_idx, run_left, kv_used
+        round_s, k = running.round_s(), running.left()
+        blocked = nxt < n and (kv_used + ctx[nxt] > capacity or len(running) >= max_running)
+        if nxt < n and not blocked and ready_l[nxt] > t:
+            k = min(k, max(1, math.ceil((ready_l[nxt] - t) / round_s)))
+        first[admitted:nxt] = [t + round_s] * (nxt - admitted)
+        t, finished = running.advance(t, k, round_s, finish)
+        kv_used -= sum(ctx[i] for i in finished)
+    return np.array(first), np.array(finish), peak
 
 
 def _aggregated_pass(
@@ -184,67 +218,60 @@ def _aggregated_pass(
     the queue per prefill turn matters when a decode round is expensive: alternating one
     prompt with one round would spend most of the time on rounds.)"""
     n = len(arrival)
-    first, finish = np.full(n, np.inf), np.full(n, np.inf)
-    context = prompt + output
+    arrival_l, prompt_l, output_l = arrival.tolist(), prompt.tolist(), output.tolist()
+    ctx = (prompt + output).tolist()
+    first, finish = [math.inf] * n, [math.inf] * n
+    capacity, max_running = inst.kv_capacity, inst.max_running
     limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    run_idx = np.empty(0, dtype=np.int64)  # decoding
-    run_left = np.empty(0, dtype=np.int64)
-    pend_idx = np.empty(0, dtype=np.int64)  # prefilled, not yet out of the pipeline
+    running = _Running(inst)  # decoding
+    pending: list[tuple[float, int]] = []  # (out of the pipeline at, request): prefilled
     kv_used = peak = 0
     t, nxt = 0.0, 0
-    while nxt < n or len(run_idx) or len(pend_idx):
-        if len(pend_idx):  # prefills out of the pipeline join decoding
-            ready = first[pend_idx] <= t
-            run_idx = np.concatenate([run_idx, pend_idx[ready]])
-            run_left = np.concatenate([run_left, output[pend_idx[ready]] - 1])
-            pend_idx = pend_idx[~ready]
-        # Requests with nothing left to decode finish with their first token.
-        done = run_left <= 0
-        if done.any():
-            finish[run_idx[done]] = first[run_idx[done]]
-            kv_used -= int(context[run_idx[done]].sum())
-            run_idx, run_left = run_idx[~done], run_left[~done]
-        if nxt < n and context[nxt] > inst.kv_capacity:
+    while nxt < n or running or pending:
+        while pending and pending[0][0] <= t:  # prefills out of the pipeline join decoding
+            i = heapq.heappop(pending)[1]
+            if output_l[i] - 1 <= 0:  # nothing left to decode: done with its first token
+                finish[i] = first[i]
+                kv_used -= ctx[i]
+            else:
+                running.join(i, output_l[i] - 1)
+        if nxt < n and ctx[nxt] > capacity:
             nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
             continue
-        batch: list[int] = []
+        batch = nxt
+        busy = len(running) + len(pending)
         while (
             nxt < n
-            and arrival[nxt] <= t
-            and kv_used + context[nxt] <= inst.kv_capacity
-            and len(run_idx) + len(pend_idx) + len(batch) < inst.max_running
+            and arrival_l[nxt] <= t
+            and kv_used + ctx[nxt] <= capacity
+            and busy + nxt - batch < max_running
         ):
-            kv_used += int(context[nxt])
-            batch.append(nxt)
+            kv_used += ctx[nxt]
             nxt += 1
         peak = max(peak, kv_used)
-        if batch:
-            ids = np.array(batch, dtype=np.int64)
-            first[ids], t = _chunked_prefill(inst, t, prompt[ids], limit)
-            pend_idx = np.concatenate([pend_idx, ids])
+        if nxt > batch:
+            done, t = _chunked_prefill(inst, t, prompt_l[batch:nxt], limit)
+            first[batch:nxt] = done
+            for i in range(batch, nxt):
+                heapq.heappush(pending, (first[i], i))
             continue
-        if not len(run_idx):
-            waits = [first[pend_idx].min()] if len(pend_idx) else []
-            if nxt < n and arrival[nxt] > t:  # an arrived one that did not fit waits for pend
-                waits.append(arrival[nxt])
+        if not running:
+            waits = [pending[0][0]] if pending else []
+            if nxt < n and arrival_l[nxt] > t:  # an arrived one that did not fit waits
+                waits.append(arrival_l[nxt])
             if not waits:  # nothing left, or ready ones finished above
                 continue
             t = max(t, min(waits))
             continue
-        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
-        k = int(run_left.min())
-        blocked = nxt < n and (
-            kv_used + context[nxt] > inst.kv_capacity
-            or len(run_idx) + len(pend_idx) >= inst.max_running
-        )
+        round_s, k = running.round_s(), running.left()
+        blocked = nxt < n and (kv_used + ctx[nxt] > capacity or busy >= max_running)
         if nxt < n and not blocked:  # stop decoding when the next prompt can start prefill
-            k = min(k, max(1, math.ceil((arrival[nxt] - t) / round_s)))
-        if len(pend_idx):  # or when a prefill comes out of the pipeline
-            k = min(k, max(1, math.ceil((first[pend_idx].min() - t) / round_s)))
-        t, run_idx, run_left, kv_used = _rounds(
-            t, k, round_s, run_idx, run_left, finish, context, kv_used
-        )
-    return first, finish, peak
+            k = min(k, max(1, math.ceil((arrival_l[nxt] - t) / round_s)))
+        if pending:  # or when a prefill comes out of the pipeline
+            k = min(k, max(1, math.ceil((pending[0][0] - t) / round_s)))
+        t, finished = running.advance(t, k, round_s, finish)
+        kv_used -= sum(ctx[i] for i in finished)
+    return np.array(first), np.array(finish), peak
 
 
 def simulate(
