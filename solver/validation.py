@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from solver.catalog.market import check_regions
+from solver.catalog.market import build_market, check_something_available
 from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import InputError, unknown_value
@@ -91,13 +91,13 @@ def check_node_configs(fleet: FleetConfig, catalog: Catalog) -> None:
 def check_fleet(fleet: FleetConfig, catalog: Catalog, cards: Mapping[str, ModelCard]) -> None:
     """A parsed stack against the catalog and the model cards, before anything is built.
 
-    Regions the catalog sells in (or the stack prices), known node configs, known models whose
-    mean request fits their context: each error names its key path (`coral:fleet.regions[0].
+    Known node configs, regions the catalog sells in (or the stack prices), some node available
+    somewhere, known models whose mean request fits their context: each error names its key path (`coral:fleet.regions[0].
     region`) instead of surfacing later as an empty plan or an error without a path.
 
     Raises:
         InputError: the first problem found.
     """
-    check_regions(fleet, catalog)
     check_node_configs(fleet, catalog)
+    check_something_available(build_market(fleet, catalog), fleet)  # also checks the regions
     check_models_against_cards(fleet, cards)

@@ -55,8 +55,7 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
 
     Raises:
         InputError: a region no offer or price override sells in (with the closest known
-            ones), an availability override for a node no offer or price override prices, or
-            no node config available in any region (a plan could only be empty).
+            ones), or an availability override for a node no offer or price override prices.
     """
     check_regions(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
@@ -85,9 +84,7 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
         ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
     }
     gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
-    market = Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
-    _check_something_available(market, fleet)
-    return market
+    return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
 
 
 def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
@@ -116,8 +113,10 @@ def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
         )
 
 
-def _check_something_available(market: Market, fleet: FleetConfig) -> None:
-    """At least one (region, node config) of the stack has a node to rent.
+def check_something_available(market: Market, fleet: FleetConfig) -> None:
+    """At least one (region, node config) of the stack has a node to rent. A check of the
+    stack as written (`solver.validation.check_fleet`), not of every market: a simulated epoch
+    may scale availability to 0 on purpose.
 
     Raises:
         InputError: every slot has availability 0, so any plan would have no instance.
