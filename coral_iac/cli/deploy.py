@@ -28,12 +28,30 @@ def _run(stack: str, previous: Path | None, library: Path | None) -> Any:
 
     check_stack_name(stack)
     running = load_plan(previous) if previous is not None else None
+    check_plan_stack(running, stack, previous)
     # Offline, a stale local library is rebuilt, as `coral plan` does.
     options = ProgramOptions(stacks_dir(), library_root(), library, rebuild_stale=True)
     try:
         return preview_stack(stack, options, running), running
     except pulumi.RunError as e:
         raise CoralError(str(e)) from None
+
+
+def check_plan_stack(running: Any, stack: str, path: Path | None) -> None:
+    """`--previous` is a plan of this stack: another stack's would make preview "retire"
+    instances in regions this stack never had.
+
+    Raises:
+        InputError: naming `--previous`, both stacks and the fix.
+    """
+    from solver.errors import InputError
+
+    if running is not None and running.stack != stack:
+        raise InputError(
+            "--previous",
+            f"{path} is a plan of stack '{running.stack}', not '{stack}'",
+            f"pass the running plan of {stack} (`coral plan --stack {stack} --out ...`)",
+        )
 
 
 def preview(

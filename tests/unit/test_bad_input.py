@@ -372,3 +372,12 @@ def test_plain_progress_prints_quarters_and_the_end(capsys):
         "templates phi-4 prefill: 6/8 (75%)",
         "templates phi-4 prefill: 8/8 (100%)",
     ]
+
+
+def test_preview_refuses_another_stacks_plan_as_previous(tmp_path, monkeypatch):
+    monkeypatch.chdir(project(project(tmp_path), name="other"))
+    planned = runner.invoke(app, ["plan", "--stack", "other", "--out", "other.json"])
+    assert planned.exit_code == 0, planned.output
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--previous", "other.json"])
+    assert r.exit_code == 1, r.output
+    assert "--previous: other.json is a plan of stack 'other', not 'dev'" in r.output
