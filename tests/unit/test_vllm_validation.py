@@ -210,3 +210,39 @@ def test_own_rules_catch_what_vllm_accepts(models):
     assert any("different engine settings" in m for m in _own_rules(differ, results))
     assert any("disagree" in m for m in _pair_rules(pair, results))
     assert not _own_rules(procs, results)
+
+
+STACKS = sorted(
+    p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("Pulumi.*.yaml")
+)
+# Benchmark stacks: heavy plans (minutes per command), run by scripts/test_slow. paper-helix is
+# refused by design (general placements): test_deploy_cli asserts its message.
+PAPER = [s for s in STACKS if s not in DEPLOYABLE and s != "paper-helix"]
+REFUSED = "Coral cannot deploy this plan"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stack", PAPER)
+def test_paper_stack_renders_nodes_vllm_accepts_or_is_refused_with_the_fix(
+    stack, models, tmp_path_factory, monkeypatch
+):
+    """Every other committed stack through `coral preview` and `coral render`: either both exit
+    0 and every rendered node passes vLLM's checks and ours, or both exit 1 with the program's
+    refusal and its fix (a disaggregated model without both phases in one region when
+    colocate_phases is false, an SLO attainment below target); never a crash."""
+    monkeypatch.chdir(REPO)
+    library = ["--library", str(tmp_path_factory.getbasetemp() / "library")]
+    out = tmp_path_factory.mktemp(stack)
+    runner = CliRunner()
+    preview = runner.invoke(app, ["preview", "--stack", stack, *library])
+    render = runner.invoke(app, ["render", "--stack", stack, "--out", str(out), *library])
+    if preview.exit_code == 1:
+        for r in (preview, render):
+            assert r.exit_code == 1 and REFUSED in r.output, r.output
+            assert "Traceback" not in r.output, r.output
+        return
+    assert preview.exit_code == 0 and "$/hour" in preview.stdout, preview.output
+    assert render.exit_code == 0, render.output
+    procs = [p for f in sorted(out.glob("*.yaml")) for p in processes(f)]
+    assert procs, f"{stack}: no vllm serve process rendered"
+    _assert_all_pass(procs, models)
