@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import datetime as dt
+import io
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -113,15 +114,10 @@ def catalog_import_skypilot(
     """Read a SkyPilot vms.csv into offers (cheapest instance per region and node shape)."""
     from solver.catalog.offers import load_catalog
     from solver.catalog.skypilot_import import import_vms_rows
-    from solver.errors import InputError
+    from solver.io import read_text
 
-    try:
-        with vms_csv.open(encoding="utf-8", newline="") as handle:
-            rows: list[Mapping[str, str]] = list(csv.DictReader(handle))
-    except OSError as exc:
-        raise InputError(
-            str(vms_csv), f"cannot read file ({exc.strerror})", "check the path"
-        ) from exc
+    # read_text: a missing file or one that is not UTF-8 is an InputError, not a traceback.
+    rows: list[Mapping[str, str]] = list(csv.DictReader(io.StringIO(read_text(vms_csv))))
     offers = import_vms_rows(
         rows,
         cloud,
