@@ -24,11 +24,12 @@ script measures what that would save on the Azure 2023 traces, with the planner 
 
 Printed: a Markdown table per (stack, model) with $/h, saving against one pool, verified
 attainment (overall, request-weighted, and the worst bucket), GPUs, and the templates each
-bucket bought. `--scale K` multiplies the demand (whole instances weigh less at scale).
+bucket bought; then a summary, one row per (pair, demand). `--scale K` (repeatable)
+multiplies the demand: whole instances weigh less at scale.
 Libraries go to `.coral/library/study-length-routing/` (reused when their inputs are unchanged).
 
 Usage: scripts/study_length_routing [--pair STACK:MODEL:TRACE ...] [--split 0.5 --split 0.33,0.67]
-       [--scale K] [--json out.json]
+       [--scale K ...] [--json out.json]
 """
 
 from __future__ import annotations
@@ -212,11 +213,10 @@ def study_pair(pair: str, splits: list[str], scale: float, root: Path, perf: Any
             lib = LIBRARIES / f"{stack}-{model}" / f"{name}-b{b_i}"
             jobs.append((bucket, doc, lib, f"{tag}-{name}-b{b_i}"))
         same = [plan_pool(root, n, d, lib, perf) for _, d, lib, n in jobs]
-        rows["routings"].append(routing(f"{len(jobs)} buckets at {split}, same target", jobs, same))
+        kind = f"{split[2:]} pools round-robin" if split.startswith("rr") else f"split at {split}"
+        rows["routings"].append(routing(f"{kind}, same target", jobs, same))
         shared = shared_budget(root, model, jobs, same, perf)
-        if shared is not None:
-            label = f"{len(jobs)} buckets at {split}, shared miss budget"
-            rows["routings"].append(routing(label, jobs, shared))
+        rows["routings"].append(routing(f"{kind}, shared miss budget", jobs, shared))
         print(f"  {pair} split {split}: done", file=sys.stderr, flush=True)
     return rows
 
@@ -235,10 +235,11 @@ def shared_budget(
     jobs: list[tuple[Bucket, Any, Path, str]],
     same: list[Outcome],
     perf: Any,
-) -> list[Outcome] | None:
+) -> list[Outcome]:
     """The longest bucket re-planned at the target the others leave it: the model's target
     minus what the shorter buckets' plans reach on their planning windows (not the verified
-    numbers, which the planner may not see), over its share; None when that is the target."""
+    numbers, which the planner may not see), over its share; the same plans when that is the
+    target."""
     target = same[-1].target
     rest = sum(
         b.share * (o.planned if o.planned is not None else target)
@@ -247,7 +248,7 @@ def shared_budget(
     share_last = jobs[-1][0].share
     want = max(0.5, min(target, math.ceil(200 * (target - rest) / share_last) / 200))
     if want >= target:
-        return None
+        return same
     bucket, doc, lib, name = jobs[-1]
     doc = copy.deepcopy(doc)
     doc["config"]["coral:fleet"]["models"][model]["slo_attainment"] = want
@@ -285,11 +286,43 @@ def saving(base: float, new: float) -> str:
     return "-" if base <= 0 else f"{100 * (base - new) / base:+.1f}%"
 
 
+def summary(results: list[dict[str, Any]]) -> str:
+    """One row per (pair, demand): one pool's $/h, then each routing's saving and verified
+    overall attainment; `*` marks a routing whose overall verified attainment is below target."""
+    names = list(dict.fromkeys(route["name"] for r in results for route in r["routings"]))
+    lines = [
+        "\n| stack: model | requests/s | one pool $/h (verified) | " + " | ".join(names) + " |",
+        "|---|---:|---:|" + "---:|" * len(names),
+    ]
+    for r in results:
+        one = r["one"]
+        cells = []
+        routes = {route["name"]: route for route in r["routings"]}
+        for name in names:
+            route = routes.get(name)
+            if route is None:
+                cells.append("-")
+                continue
+            usd = sum(p["usd"] for p in route["parts"])
+            overall, _ = combined(route["parts"])
+            flag = "*" if overall is not None and overall < one["target"] else ""
+            cells.append(f"{saving(one['usd'], usd)} ({pct(overall)}{flag})")
+        stack, model, _ = r["pair"].split(":")
+        lines.append(
+            f"| {stack}: {model} | {r['rate']:g} | {one['usd']:.2f} ({pct(one['verified'])}) | "
+            + " | ".join(cells)
+            + " |"
+        )
+    return "\n".join(lines)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--pair", action="append", help="STACK:MODEL:TRACE (default: the three)")
-    ap.add_argument("--split", action="append", help="thresholds: quantiles (<1) or tokens")
-    ap.add_argument("--scale", type=float, default=1.0, help="multiply each model's demand")
+    ap.add_argument("--split", action="append", help="thresholds: quantiles (<1), tokens, rrN")
+    ap.add_argument(
+        "--scale", type=float, action="append", help="multiply each model's demand (repeat)"
+    )
     ap.add_argument("--json", type=Path, help="also write the results here")
     args = ap.parse_args()
     from solver.performance.default_model import load_perf_model
@@ -301,11 +334,13 @@ def main() -> None:
         (root / "stacks").mkdir()
         (root / "Pulumi.yaml").write_text((REPO / "Pulumi.yaml").read_text(encoding="utf-8"))
         for pair in args.pair or DEFAULT_PAIRS:
-            t0 = time.perf_counter()
-            r = study_pair(pair, args.split or DEFAULT_SPLITS, args.scale, root, perf)
-            r["seconds"] = round(time.perf_counter() - t0, 1)
-            results.append(r)
-            print(table(r), flush=True)
+            for scale in args.scale or [1.0]:
+                t0 = time.perf_counter()
+                r = study_pair(pair, args.split or DEFAULT_SPLITS, scale, root, perf)
+                r["seconds"] = round(time.perf_counter() - t0, 1)
+                results.append(r)
+                print(table(r), flush=True)
+    print(summary(results))
     if args.json:
         args.json.write_text(json.dumps(results, indent=1), encoding="utf-8")
 
