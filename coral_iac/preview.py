@@ -16,7 +16,6 @@ from pathlib import Path
 from typing import Any
 
 import pulumi
-import yaml
 
 from coral_iac import program
 from coral_iac.program import ProgramOptions
@@ -79,12 +78,13 @@ def _ip(prefix: str, name: str) -> str:
 def stack_config(stacks_dir: Path, stack: str) -> dict[str, str]:
     """The stack file's config as the runtime holds it: structured values JSON-encoded."""
     from solver.errors import unknown_value
+    from solver.io import read_yaml
 
     path = stacks_dir / f"Pulumi.{stack}.yaml"
     if not path.exists():
         known = sorted(p.name[7:-5] for p in stacks_dir.glob("Pulumi.*.yaml"))
         raise unknown_value("--stack", stack, known, "stack")
-    doc = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    doc = read_yaml(path) or {}  # duplicate keys and bad encodings are InputErrors (#18)
     return {
         k: v if isinstance(v, str) else json.dumps(v) for k, v in (doc.get("config") or {}).items()
     }

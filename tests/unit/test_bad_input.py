@@ -381,3 +381,13 @@ def test_preview_refuses_another_stacks_plan_as_previous(tmp_path, monkeypatch):
     r = runner.invoke(app, ["preview", "--stack", "dev", "--previous", "other.json"])
     assert r.exit_code == 1, r.output
     assert "--previous: other.json is a plan of stack 'other', not 'dev'" in r.output
+
+
+def test_preview_reads_the_stack_file_as_strictly_as_plan(tmp_path, monkeypatch):
+    root = project(tmp_path)
+    path = root / "stacks" / "Pulumi.dev.yaml"
+    path.write_bytes(path.read_bytes().replace(b"Development", b"D\xe9velopment"))
+    monkeypatch.chdir(root)
+    r = runner.invoke(app, ["preview", "--stack", "dev"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "Pulumi.dev.yaml: not UTF-8 text" in r.output
