@@ -213,8 +213,10 @@ def check_numbers(cls: type[BaseModel], data: Any, source: str) -> None:
 def _check_value(annotation: Any, value: Any, where: str, source: str) -> None:
     origin, args = get_origin(annotation), get_args(annotation)
     if origin in (Union, UnionType):
+        text_too = str in args or bool in args  # "inf" or true may be meant as text or a flag
         for arg in args:
-            _check_value(arg, value, where, source)
+            if not (text_too and arg in (float, int)):
+                _check_value(arg, value, where, source)
     elif annotation in (float, int):
         _check_number(value, where, source)
     elif isinstance(annotation, type) and issubclass(annotation, BaseModel):
