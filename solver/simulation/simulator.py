@@ -104,64 +104,30 @@ def _prefill_pass(
 ) -> np.ndarray:
     """FCFS batched prefill on one instance: whenever the pipeline is free, the prompts that
     have arrived, up to `limit` tokens (one prompt over it is chunked). Returns each request's
-    completion time (s)."""
+    completion time (s). (A lone prompt within the limit is one chunk: its latency, inline.)"""
     n = len(arrival)
     arrival_l, prompt_l = arrival.tolist(), prompt.tolist()
     done: list[float] = []
+    timing: dict[int, tuple[float, float]] = {}  # prompt tokens -> (latency, period)
     t_free, i = 0.0, 0
     limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
     while i < n:
-        start = max(t_free, arrival_l[i])
+        start = arrival_l[i] if arrival_l[i] > t_free else t_free
         j, tokens = i + 1, prompt_l[i]
         while j < n and arrival_l[j] <= start and tokens + prompt_l[j] <= limit:
             tokens += prompt_l[j]
             j += 1
-        batch, t_free = _chunked_prefill(inst, start, prompt_l[i:j], limit)
-        done += batch
+        if j == i + 1 and tokens <= limit:
+            if tokens not in timing:
+                timing[tokens] = inst.prefill_ms(tokens)
+            latency, period = timing[tokens]
+            done.append(start + latency / 1e3)
+            t_free = start + period / 1e3
+        else:
+            batch, t_free = _chunked_prefill(inst, start, prompt_l[i:j], limit)
+            done += batch
         i = j
     return np.array(done, dtype=np.float64)
-
-
-class _Running:
-    """The sequences decoding on one instance: a heap of the round (counted from the start)
-    each finishes in, so a run of rounds costs the sequences that finish, not the batch."""
-
-    def __init__(self, inst: InstanceModel) -> None:
-        self.inst = inst
-        self.heap: list[tuple[int, int]] = []  # (round it finishes in, request)
-        self.rounds = 0
-        self._round_s: dict[int, float] = {}  # batch size -> round time (s)
-
-    def __len__(self) -> int:
-        return len(self.heap)
-
-    def join(self, request: int, tokens: int) -> None:
-        heapq.heappush(self.heap, (self.rounds + tokens, request))
-
-    def round_s(self) -> float:
-        """One decode round's time at the current batch size (s)."""
-        size = len(self.heap)
-        if size not in self._round_s:
-            self._round_s[size] = self.inst.decode_round_ms(size) / 1e3
-        return self._round_s[size]
-
-    def left(self) -> int:
-        """Rounds until the next sequence finishes."""
-        return self.heap[0][0] - self.rounds
-
-    def advance(
-        self, t: float, k: int, round_s: float, finish: list[float]
-    ) -> tuple[float, list[int]]:
-        """Run k rounds from t: sequences that finish leave (finish time set). Returns the
-        time after them and the sequences that finished."""
-        t += k * round_s
-        self.rounds += k
-        done = []
-        while self.heap and self.heap[0][0] == self.rounds:
-            i = heapq.heappop(self.heap)[1]
-            finish[i] = t
-            done.append(i)
-        return t, done
 
 
 def _decode_pass(
@@ -169,40 +135,52 @@ def _decode_pass(
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Continuous-batching decode of `tokens` tokens per request, requests ready at `ready`
     (sorted), each holding `context` KV tokens at the end. Returns (first decode token time,
-    finish time, peak KV tokens used)."""
+    finish time, peak KV tokens used).
+
+    The running sequences are a heap of the round (counted from the start) each finishes in,
+    so an event costs the requests it admits and finishes, not the batch size."""
     n = len(ready)
     ready_l, ctx, tok = ready.tolist(), context.tolist(), tokens.tolist()
     first, finish = [math.inf] * n, [math.inf] * n
     capacity, max_running = inst.kv_capacity, inst.max_running
-    running = _Running(inst)
-    kv_used = peak = 0
+    running: list[tuple[int, int]] = []  # (round it finishes in, request)
+    round_of: dict[int, float] = {}  # batch size -> round time (s)
+    push, pop = heapq.heappush, heapq.heappop
+    kv_used = peak = rounds = size = 0
     t, nxt = 0.0, 0
-    while nxt < n or running:
+    while nxt < n or size:
         # Admit every ready request whose KV fits (FCFS: stop at the first that does not).
         admitted = nxt
         while (
-            nxt < n
-            and ready_l[nxt] <= t
-            and kv_used + ctx[nxt] <= capacity
-            and len(running) < max_running
+            nxt < n and ready_l[nxt] <= t and kv_used + ctx[nxt] <= capacity and size < max_running
         ):
             kv_used += ctx[nxt]
-            running.join(nxt, tok[nxt])
+            push(running, (rounds + tok[nxt], nxt))
             nxt += 1
-        if nxt < n and ctx[nxt] > capacity and ready_l[nxt] <= t and not running:
+            size += 1
+        if nxt < n and ctx[nxt] > capacity and ready_l[nxt] <= t and not size:
             nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
             continue
-        peak = max(peak, kv_used)
-        if not running:
+        if kv_used > peak:
+            peak = kv_used
+        if not size:
             t = max(t, ready_l[nxt])
             continue
-        round_s, k = running.round_s(), running.left()
-        blocked = nxt < n and (kv_used + ctx[nxt] > capacity or len(running) >= max_running)
-        if nxt < n and not blocked and ready_l[nxt] > t:
+        round_s = round_of.get(size)
+        if round_s is None:
+            round_s = round_of[size] = inst.decode_round_ms(size) / 1e3
+        k = running[0][0] - rounds
+        if nxt < n and kv_used + ctx[nxt] <= capacity and size < max_running and ready_l[nxt] > t:
             k = min(k, max(1, math.ceil((ready_l[nxt] - t) / round_s)))
-        first[admitted:nxt] = [t + round_s] * (nxt - admitted)
-        t, finished = running.advance(t, k, round_s, finish)
-        kv_used -= sum(ctx[i] for i in finished)
+        if nxt > admitted:
+            first[admitted:nxt] = [t + round_s] * (nxt - admitted)
+        t += k * round_s
+        rounds += k
+        while size and running[0][0] == rounds:  # finished: leave, KV freed
+            i = pop(running)[1]
+            finish[i] = t
+            kv_used -= ctx[i]
+            size -= 1
     return np.array(first), np.array(finish), peak
 
 
@@ -223,9 +201,10 @@ def _aggregated_pass(
     first, finish = [math.inf] * n, [math.inf] * n
     capacity, max_running = inst.kv_capacity, inst.max_running
     limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    running = _Running(inst)  # decoding
-    pending: list[tuple[float, int]] = []  # (out of the pipeline at, request): prefilled
-    kv_used = peak = 0
+    running: list[tuple[int, int]] = []  # decoding: (round it finishes in, request)
+    pending: list[tuple[float, int]] = []  # prefilled: (out of the pipeline at, request)
+    round_of: dict[int, float] = {}  # batch size -> round time (s)
+    kv_used = peak = rounds = 0
     t, nxt = 0.0, 0
     while nxt < n or running or pending:
         while pending and pending[0][0] <= t:  # prefills out of the pipeline join decoding
@@ -234,12 +213,11 @@ def _aggregated_pass(
                 finish[i] = first[i]
                 kv_used -= ctx[i]
             else:
-                running.join(i, output_l[i] - 1)
+                heapq.heappush(running, (rounds + output_l[i] - 1, i))
         if nxt < n and ctx[nxt] > capacity:
             nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
             continue
-        batch = nxt
-        busy = len(running) + len(pending)
+        batch, busy = nxt, len(running) + len(pending)
         while (
             nxt < n
             and arrival_l[nxt] <= t
@@ -250,8 +228,7 @@ def _aggregated_pass(
             nxt += 1
         peak = max(peak, kv_used)
         if nxt > batch:
-            done, t = _chunked_prefill(inst, t, prompt_l[batch:nxt], limit)
-            first[batch:nxt] = done
+            first[batch:nxt], t = _chunked_prefill(inst, t, prompt_l[batch:nxt], limit)
             for i in range(batch, nxt):
                 heapq.heappush(pending, (first[i], i))
             continue
@@ -259,18 +236,23 @@ def _aggregated_pass(
             waits = [pending[0][0]] if pending else []
             if nxt < n and arrival_l[nxt] > t:  # an arrived one that did not fit waits
                 waits.append(arrival_l[nxt])
-            if not waits:  # nothing left, or ready ones finished above
-                continue
-            t = max(t, min(waits))
+            if waits:  # else nothing left, or ready ones finished above
+                t = max(t, min(waits))
             continue
-        round_s, k = running.round_s(), running.left()
+        if len(running) not in round_of:
+            round_of[len(running)] = inst.decode_round_ms(len(running)) / 1e3
+        round_s, k = round_of[len(running)], running[0][0] - rounds
         blocked = nxt < n and (kv_used + ctx[nxt] > capacity or busy >= max_running)
         if nxt < n and not blocked:  # stop decoding when the next prompt can start prefill
             k = min(k, max(1, math.ceil((arrival_l[nxt] - t) / round_s)))
         if pending:  # or when a prefill comes out of the pipeline
             k = min(k, max(1, math.ceil((pending[0][0] - t) / round_s)))
-        t, finished = running.advance(t, k, round_s, finish)
-        kv_used -= sum(ctx[i] for i in finished)
+        t += k * round_s
+        rounds += k
+        while running and running[0][0] == rounds:  # finished: leave, KV freed
+            i = heapq.heappop(running)[1]
+            finish[i] = t
+            kv_used -= ctx[i]
     return np.array(first), np.array(finish), peak
 
 
