@@ -23,8 +23,9 @@ script measures what that would save on the Azure 2023 traces, with the planner 
   verification's).
 
 Printed: a Markdown table per (stack, model) with $/h, saving against one pool, verified
-attainment (overall, request-weighted, and the worst bucket), GPUs, and the templates each
-bucket bought; then a summary, one row per (pair, demand). `--scale K` (repeatable)
+attainment (overall, request-weighted, and the worst bucket), the one pool's attainment on each
+bucket's requests (in its own verification: where one pool's misses are), GPUs, and the
+templates each bucket bought; then a summary, one row per (pair, demand). `--scale K` (repeatable)
 multiplies the demand: whole instances weigh less at scale.
 Libraries go to `.coral/library/study-length-routing/` (reused when their inputs are unchanged).
 
@@ -72,6 +73,7 @@ class Bucket:
     label: str  # e.g. "<=1020", "1021-2734", ">2734" (raw trace tokens)
     trace: Trace
     share: float  # of the trace's requests
+    mask: np.ndarray  # which of the trace's requests
 
 
 @dataclass
@@ -91,31 +93,28 @@ class Outcome:
 def split_trace(trace: Trace, split: str) -> list[Bucket]:
     """Buckets at the split's thresholds: quantiles of the prompt lengths (< 1) or tokens;
     `rrN`: the length-blind control, N pools taking the requests in turn (round-robin)."""
+    masks: list[tuple[str, np.ndarray]] = []
     if split.startswith("rr"):
         n = int(split[2:])
         turn = np.arange(len(trace.prompt)) % n
-        return [
-            Bucket(
-                f"rr {b + 1}/{n}",
-                Trace(trace.arrival_s[turn == b], trace.prompt[turn == b], trace.output[turn == b]),
-                float((turn == b).mean()),
-            )
-            for b in range(n)
-        ]
-    raw = [float(x) for x in split.split(",")]
-    cuts = sorted({int(np.quantile(trace.prompt, x)) if x < 1 else int(x) for x in raw})
-    edges = [0, *cuts, None]
-    out = []
-    for lo, hi in zip(edges, edges[1:], strict=False):
-        keep = trace.prompt > lo
-        if hi is not None:
-            keep &= trace.prompt <= hi
-        if not keep.any():
-            continue
-        label = f"<={hi}" if lo == 0 else (f">{lo}" if hi is None else f"{lo + 1}-{hi}")
-        sub = Trace(trace.arrival_s[keep], trace.prompt[keep], trace.output[keep])
-        out.append(Bucket(label, sub, float(keep.mean())))
-    return out
+        masks = [(f"rr {b + 1}/{n}", turn == b) for b in range(n)]
+    else:
+        raw = [float(x) for x in split.split(",")]
+        cuts = sorted({int(np.quantile(trace.prompt, x)) if x < 1 else int(x) for x in raw})
+        edges = [0, *cuts, None]
+        for lo, hi in zip(edges, edges[1:], strict=False):
+            keep = trace.prompt > lo
+            if hi is not None:
+                keep &= trace.prompt <= hi
+            label = f"<={hi}" if lo == 0 else (f">{lo}" if hi is None else f"{lo + 1}-{hi}")
+            masks.append((label, keep))
+    return [
+        Bucket(
+            label, Trace(trace.arrival_s[m], trace.prompt[m], trace.output[m]), float(m.mean()), m
+        )
+        for label, m in masks
+        if m.any()
+    ]
 
 
 def write_csv(path: Path, trace: Trace) -> None:
@@ -156,11 +155,22 @@ def bucket_doc(
 
 def plan_pool(root: Path, name: str, doc: dict[str, Any], library: Path, perf: Any) -> Outcome:
     """Plan one single-model stack in the scratch project `root` (closed loop + verification)."""
+    return outcome(*plan_doc(root, name, doc, library, perf))
+
+
+def plan_doc(
+    root: Path, name: str, doc: dict[str, Any], library: Path, perf: Any
+) -> tuple[Any, Any]:
+    """The stack document written into `root`, loaded and planned: (plan, fleet)."""
     from solver.plan.planner import plan_with_library
 
     (root / "stacks" / f"Pulumi.{name}.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
     fleet = load_stack(root / "stacks", name)
-    plan = plan_with_library(name, fleet, perf, library, root=root)
+    return plan_with_library(name, fleet, perf, library, root=root), fleet
+
+
+def outcome(plan: Any, fleet: Any) -> Outcome:
+    """What the tables report of a plan."""
     att = plan.attainment[0] if plan.attainment else None
     counts: dict[str, int] = {}
     for i in plan.instances:
@@ -176,6 +186,27 @@ def plan_pool(root: Path, name: str, doc: dict[str, Any], library: Path, perf: A
         templates=" ".join(f"{n}x{k}" for k, n in sorted(counts.items())),
         served=plan.served_fraction,
     )
+
+
+def one_pool_met(
+    plan: Any, fleet: Any, perf: Any, root: Path, full: Trace
+) -> tuple[np.ndarray, np.ndarray]:
+    """The one pool's verification request by request: the indices of its requests in the
+    full trace (the verification window is the trace's second half, in order) and whether
+    each met both SLOs. Checked against the trace's output lengths."""
+    from solver.plan.attainment import simulate_workload
+
+    minutes = fleet.attainment.verify_minutes
+    sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, root)
+    assert sim is not None, "the one pool serves nothing"
+    r = next(iter(sim.models.values()))
+    span = float(full.arrival_s[-1] - full.arrival_s[0])
+    idx = np.nonzero(full.arrival_s >= full.arrival_s[0] + span / 2)[0][: len(r.met)]
+    spec = next(iter(fleet.models.values()))
+    k = spec.mean_output_tokens / float(full.output.mean())
+    if not np.array_equal(r.output, np.maximum(1, np.rint(full.output[idx] * k))):
+        sys.exit("the verification window is not the trace's second half in order")
+    return idx, r.met
 
 
 def pct(x: float | None) -> str:
@@ -201,7 +232,9 @@ def study_pair(pair: str, splits: list[str], scale: float, root: Path, perf: Any
     rate = request_rate(ModelSpec.model_validate(spec)) * scale
     spec["demand"] = {"requests_per_s": round(rate, 6)}
     tag = f"{stack}-{model}" + (f"-x{scale:g}" if scale != 1.0 else "")
-    one = plan_pool(root, f"{tag}-one", base, LIBRARIES / f"{stack}-{model}" / "one", perf)
+    plan, fleet = plan_doc(root, f"{tag}-one", base, LIBRARIES / f"{stack}-{model}" / "one", perf)
+    one = outcome(plan, fleet)
+    idx, met = one_pool_met(plan, fleet, perf, root, full)
     rows: dict[str, Any] = {"pair": pair, "rate": rate, "one": asdict(one), "routings": []}
     for split in splits:
         name = split.replace(",", "_")
@@ -214,15 +247,25 @@ def study_pair(pair: str, splits: list[str], scale: float, root: Path, perf: Any
             jobs.append((bucket, doc, lib, f"{tag}-{name}-b{b_i}"))
         same = [plan_pool(root, n, d, lib, perf) for _, d, lib, n in jobs]
         kind = f"{split[2:]} pools round-robin" if split.startswith("rr") else f"split at {split}"
-        rows["routings"].append(routing(f"{kind}, same target", jobs, same))
+        one_met = [float(met[b.mask[idx]].mean()) for b, *_ in jobs]
+        rows["routings"].append(routing(f"{kind}, same target", jobs, same, one_met))
         shared = shared_budget(root, model, jobs, same, perf)
-        rows["routings"].append(routing(f"{kind}, shared miss budget", jobs, shared))
+        rows["routings"].append(routing(f"{kind}, shared miss budget", jobs, shared, one_met))
         print(f"  {pair} split {split}: done", file=sys.stderr, flush=True)
     return rows
 
 
-def routing(name: str, jobs: list[tuple[Bucket, Any, Path, str]], parts: list[Outcome]) -> dict:
-    buckets = [{"bucket": b.label, "share": round(b.share, 4)} for b, *_ in jobs]
+def routing(
+    name: str,
+    jobs: list[tuple[Bucket, Any, Path, str]],
+    parts: list[Outcome],
+    one_met: list[float],
+) -> dict:
+    """A routing's buckets, each with its plan and the one pool's attainment on its requests."""
+    buckets = [
+        {"bucket": b.label, "share": round(b.share, 4), "one_pool_met": m}
+        for (b, *_), m in zip(jobs, one_met, strict=True)
+    ]
     return {
         "name": name,
         "parts": [{**b, **asdict(o)} for b, o in zip(buckets, parts, strict=True)],
@@ -260,11 +303,11 @@ def table(r: dict[str, Any]) -> str:
     one = r["one"]
     lines = [
         f"\n**{r['pair']}** ({r['rate']:g} requests/s, target {one['target']:g})\n",
-        "| routing | bucket (raw prompt tokens) | share | target | $/h | saving | verified | GPUs "
-        "| templates bought (p: prefill, d: decode) |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---|",
+        "| routing | bucket (raw prompt tokens) | share | target | $/h | saving | verified "
+        "| one pool's | GPUs | templates bought (p: prefill, d: decode) |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---|",
         f"| one pool | all | 100% | {one['target']:g} | {one['usd']:.2f} | - | "
-        f"{pct(one['verified'])} | {one['gpus']} | {one['templates']} |",
+        f"{pct(one['verified'])} | | {one['gpus']} | {one['templates']} |",
     ]
     for route in r["routings"]:
         parts = route["parts"]
@@ -272,12 +315,13 @@ def table(r: dict[str, Any]) -> str:
         overall, worst = combined(parts)
         lines.append(
             f"| {route['name']} | total | 100% | | {usd:.2f} | {saving(one['usd'], usd)} | "
-            f"{pct(overall)} (worst {pct(worst)}) | {sum(p['gpus'] for p in parts)} | |"
+            f"{pct(overall)} (worst {pct(worst)}) | | {sum(p['gpus'] for p in parts)} | |"
         )
         for p in parts:
             lines.append(
                 f"| | {p['bucket']} | {100 * p['share']:.0f}% | {p['target']:g} | "
-                f"{p['usd']:.2f} | | {pct(p['verified'])} | {p['gpus']} | {p['templates']} |"
+                f"{p['usd']:.2f} | | {pct(p['verified'])} | {pct(p['one_pool_met'])} | "
+                f"{p['gpus']} | {p['templates']} |"
             )
     return "\n".join(lines)
 
