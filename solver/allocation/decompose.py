@@ -22,7 +22,7 @@ from ortools.linear_solver import pywraplp
 from solver.allocation.model import IlpModel, values
 from solver.allocation.problem import Problem, upper_bound
 from solver.allocation.reduction import reduce_columns
-from solver.catalog.market import RegionId
+from solver.catalog.market import Market, RegionId
 from solver.types import Job
 
 SOLVED = (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE)
@@ -178,3 +178,33 @@ def union(problem: Problem, parts: list[Part]) -> dict[int, int] | None:
             return None
         counts.update(p.counts)
     return counts if fits(problem, counts) else None
+
+
+def sequential_plan(problem: Problem, parts: list[Part], fraction: float) -> dict[int, int] | None:
+    """A feasible plan of the whole when the parts' plans do not fit together: the parts solved
+    one after another (largest demand first, by its part's bound), each on what the ones
+    before left of availability and the GPU pools. None when one no longer has a plan, or the
+    plan breaks the budget."""
+    order = sorted(parts, key=lambda p: -(p.bound or 0.0))
+    market, counts = problem.market, dict[int, int]()
+    for part in order:
+        rest = replace(problem, market=market)
+        solved = solve_part(rest, part.jobs, fraction)
+        if solved.counts is None:
+            return None
+        counts.update(solved.counts)
+        market = _left(problem, market, solved.counts)
+    return counts if fits(problem, counts) else None
+
+
+def _left(problem: Problem, market: Market, counts: dict[int, int]) -> Market:
+    """`market` less what `counts` uses of availability and the GPU pools."""
+    available, pools = dict(market.available), dict(market.gpu_pools)
+    for i, n in counts.items():
+        c = problem.columns[i]
+        for node, k in c.usage:
+            available[(c.region, node)] -= n * k
+            gpu, per_node = market.gpu_of[node]
+            if (c.region, gpu) in pools:
+                pools[(c.region, gpu)] -= n * k * per_node
+    return Market(market.price, available, pools, market.gpu_of)

@@ -28,6 +28,7 @@ from solver.catalog.market import RegionId
 from solver.types import Job
 
 SLACK = 1e-9  # relative: a column exactly at the budget is kept
+BLOCK = 128  # columns compared at once in `undominated` (a BLOCK x n x rows array)
 
 
 def least_costs(problem: Problem) -> list[float]:
@@ -127,7 +128,10 @@ def undominated(problem: Problem, by_price: bool = True) -> list[int]:
     rows = {region: _rows(problem, region) for _, region in groups}
     kept: list[int] = []
     for (_, region), idx in groups.items():
-        kept.extend(_front(problem, idx, rows[region], by_price))
+        # With every availability row kept, dominance is the library's own (a sub-multiset
+        # doing as well) plus price: rare, and not worth the pairwise comparison.
+        implied = any(not any(r == n for r, _ in rs) for n, rs in rows[region].items())
+        kept.extend(_front(problem, idx, rows[region], by_price) if implied else idx)
     return sorted(kept)
 
 
@@ -162,12 +166,14 @@ def _front(
                 use[row, at[name]] += k * weight
     thr = np.array([c.template.throughput for c in cols])
     price = np.array([c.price if by_price else 0.0 for c in cols])
-    order = sorted(range(len(cols)), key=lambda k: (-thr[k], price[k], idx[k]))
-    front: list[int] = []
-    for k in order:
-        if front and not problem.running.get(cols[k].running_key, 0):
-            f = np.array(front)
-            if np.any((price[f] <= price[k]) & np.all(use[f] <= use[k], axis=1)):
-                continue  # thr[f] >= thr[k]: f comes first in `order`
-        front.append(k)
-    return [idx[k] for k in front]
+    order = np.array(sorted(range(len(cols)), key=lambda k: (-thr[k], price[k], idx[k])))
+    use, price = use[order], price[order]
+    running = np.array([bool(problem.running.get(cols[k].running_key, 0)) for k in order])
+    dominated = np.zeros(len(order), dtype=bool)
+    for lo in range(0, len(order), BLOCK):  # k in [lo, hi) against every j ordered before it
+        hi = min(len(order), lo + BLOCK)
+        cheaper = price[None, :hi] <= price[lo:hi, None]
+        smaller = np.all(use[None, :hi, :] <= use[lo:hi, None, :], axis=2)
+        before = np.arange(hi)[None, :] < np.arange(lo, hi)[:, None]
+        dominated[lo:hi] = np.any(cheaper & smaller & before, axis=1)
+    return [idx[k] for k, gone in zip(order, dominated & ~running, strict=True) if not gone]

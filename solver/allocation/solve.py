@@ -21,7 +21,7 @@ from dataclasses import replace
 from ortools.linear_solver import pywraplp
 
 from solver.allocation.constraints import FRACTION_STEPS
-from solver.allocation.decompose import Part, objective_of, solve_parts, union
+from solver.allocation.decompose import Part, objective_of, sequential_plan, solve_parts, union
 from solver.allocation.explain import MostServed, binding
 from solver.allocation.model import BACKEND_IDS, STATUS, IlpModel, new_solver, values
 from solver.allocation.problem import Problem, Solution
@@ -97,25 +97,22 @@ def solve_allocation(problem: Problem) -> Solution:
     """
     if problem.settings.add_only:
         _check_keepable(problem)
-    start = time.perf_counter()
-    kept = undominated(problem)
-    small = replace(problem, columns=[problem.columns[i] for i in kept])
-    sol = _solve(small, time.perf_counter() - start)
-    return replace(
-        sol,
-        counts={kept[i]: n for i, n in sol.counts.items()},
-        columns=(len(problem.columns), sol.columns[1]),
-    )
+    return _solve(problem, 0.0)
 
 
 def _solve(problem: Problem, seconds: float) -> Solution:
-    """`solve_allocation` on the undominated columns (`seconds` spent so far)."""
+    """`solve_allocation` after its checks (`seconds` spent so far)."""
     parts, sec = solve_parts(problem, 1.0)
     seconds += sec
     if (plan := union(problem, parts)) is not None:
         return _from_parts(problem, parts, plan, 1.0, [], seconds)
-    start_plan, sec = _homogeneous_plan(problem)
-    seconds += sec
+    begin = time.perf_counter()
+    solved = all(p.counts is not None for p in parts)
+    start_plan = sequential_plan(problem, parts, 1.0) if solved else None
+    seconds += time.perf_counter() - begin
+    if start_plan is None:
+        start_plan, sec = _homogeneous_plan(problem)
+        seconds += sec
     fraction, lines = 1.0, list[str]()
     if start_plan is None:
         fraction, lines, start_plan, sec = _most_served(problem)
@@ -142,7 +139,10 @@ def _joint(
     upper = objective_of(problem, start)
     lower = {p.jobs: p.bound for p in parts if p.bound is not None}
     used = {i for i, n in start.items() if n}
-    kept = sorted(set(reduce_columns(problem, upper, lower, fraction)) | used)
+    # Both reductions together keep an optimal plan: swap each dominated column in it for its
+    # dominator (no dearer, `undominated`); each column of that plan is within its budget.
+    fewer = set(reduce_columns(problem, upper, lower, fraction)) & set(undominated(problem))
+    kept = sorted(fewer | used)
     small = replace(problem, columns=[problem.columns[i] for i in kept])
     model = IlpModel(small, maximise_fraction=False, min_fraction=fraction)
     where = {i: k for k, i in enumerate(kept)}
