@@ -12,12 +12,13 @@ from rich.table import Table
 from rich.text import Text
 
 from coral_iac.cli.console import (
-    LIBRARY_ROOT,
-    STACKS_DIR,
     err,
+    library_root,
+    load_stack_named,
     out,
     progress_bar,
     reports_errors,
+    stacks_dir,
     warn,
 )
 from solver.errors import CoralError
@@ -41,7 +42,7 @@ def library_cache(fleet: Any) -> Path:
     the same ones (the paper's scenario stacks); files are checked against their input hashes."""
     from solver.io import digest
 
-    return LIBRARY_ROOT / f"bench-{digest([sorted(fleet.node_configs), fleet.library])}"
+    return library_root() / f"bench-{digest([sorted(fleet.node_configs), fleet.library])}"
 
 
 AZURE_TRACES = {"Azure Conversation": "azure-conv-2023", "Azure Code": "azure-code-2023"}
@@ -80,9 +81,9 @@ def bench_row(
     def solve(factors: dict[str, float]) -> Any:
         return plan_stack(name, fleet, perf.catalog, libs, method=method, factors=factors)  # type: ignore[arg-type]
 
-    plan = plan_to_target(fleet, perf, libs, solve, STACKS_DIR.parent)
+    plan = plan_to_target(fleet, perf, libs, solve, stacks_dir().parent)
     sim = simulate_workload(
-        plan, fleet, perf, "verify", fleet.attainment.verify_minutes * 60, STACKS_DIR.parent
+        plan, fleet, perf, "verify", fleet.attainment.verify_minutes * 60, stacks_dir().parent
     )
     summary: dict[str, Any] = sim.summary() if sim is not None else {}
     return {
@@ -144,17 +145,16 @@ def bench(
     from solver.performance.default_model import load_perf_model
     from solver.plan.demand import stack_demand
     from solver.plan.planner import libraries_for
-    from solver.stack import load_stack
 
     if traces not in ("azure", "generated"):
         raise InputError("--traces", f"unknown value '{traces}'", "use azure or generated")
     perf = load_perf_model()
     rows: list[dict[str, Any]] = []
     with progress_bar() as bar:
-        task: Any = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
+        task = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
-                stack_fleet = resolve_demand(load_stack(STACKS_DIR, name), name, STACKS_DIR, warn)
+                stack_fleet = resolve_demand(load_stack_named(name), name, stacks_dir(), warn)
                 fleet = with_target(
                     with_traces(
                         stack_fleet.with_mode(mode).with_target_utilization(target_utilization),

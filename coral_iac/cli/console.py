@@ -15,7 +15,7 @@ from typing import Annotated, Any, TypeVar
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
 
@@ -146,9 +146,9 @@ class PlainProgress:
     def __exit__(self, *exc: object) -> None:
         return None
 
-    def add_task(self, description: str, total: float | None = None, **_: Any) -> int:
+    def add_task(self, description: str, total: float | None = None, **_: Any) -> TaskID:
         self.tasks[len(self.tasks)] = [description, total, 0.0, 0]
-        return len(self.tasks) - 1
+        return TaskID(len(self.tasks) - 1)
 
     def update(
         self, task: int, completed: float | None = None, total: float | None = None, **_: Any

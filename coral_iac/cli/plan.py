@@ -9,13 +9,14 @@ import typer
 from rich.table import Table
 
 from coral_iac.cli.console import (
-    LIBRARY_ROOT,
-    STACKS_DIR,
     err,
+    library_root,
+    load_stack_named,
     out,
     print_json,
     progress_bar,
     reports_errors,
+    stacks_dir,
     warn,
 )
 
@@ -79,7 +80,8 @@ def plan(
     if (line := gap_warning(result)) is not None:
         warn(line)
     failed = result.served_fraction < 1 or bool(result.below_target())
-    write = out_file is not None and not (strict and failed)
+    # A zero-served plan, or one failing --strict, never replaces the running plan in --out.
+    write = out_file is not None and not (strict and failed) and result.served_fraction > 0
     if write:
         from solver.io import write_atomic
 
@@ -97,9 +99,9 @@ def plan(
             f"workload, {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
+    if out_file is not None and not write:
+        err.print(f"Left {out_file} as it was.")
     if strict and failed:
-        if out_file is not None:
-            err.print(f"Left {out_file} as it was (--strict).")
         raise typer.Exit(EXIT_SCARCE)
 
 
@@ -115,16 +117,16 @@ def make_plan(
 
     `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
     """
+    from coral_iac.cli.deploy import check_plan_stack
     from coral_iac.demand_sources import resolve_demand
     from solver.performance.default_model import load_perf_model
     from solver.plan.planner import plan_with_library
-    from solver.stack import load_stack
 
     # The same demand the Pulumi program plans for: the stack's demand source.
     fleet = resolve_demand(
-        load_stack(STACKS_DIR, stack),
+        load_stack_named(stack),
         stack,
-        STACKS_DIR,
+        stacks_dir(),
         warn=warn,
     )
     if add_only:
@@ -132,6 +134,7 @@ def make_plan(
         fleet = fleet.model_copy(update={"allocation": allocation})
     perf = load_perf_model()
     running = load_plan(previous) if previous is not None else None
+    check_plan_stack(running, stack, previous)
     with progress_bar() as bar:
         tasks: dict[Any, Any] = {}
 
@@ -144,12 +147,12 @@ def make_plan(
             stack,
             fleet,
             perf,
-            library or LIBRARY_ROOT / stack,
+            library or library_root() / stack,
             running,
             method,  # type: ignore[arg-type]
             workers,
             progress,
-            root=STACKS_DIR.parent,
+            root=stacks_dir().parent,
             on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
         )
 
@@ -166,7 +169,9 @@ def load_plan(path: Path) -> Any:
     import json
 
     try:
-        data = json.loads(path.read_text(encoding="utf-8"))
+        from solver.io import read_text
+
+        data = json.loads(read_text(path))
     except json.JSONDecodeError as e:
         raise InputError(
             str(path), f"not JSON: {e}", "pass a plan.json written by `coral plan --out`"

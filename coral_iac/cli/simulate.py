@@ -8,7 +8,14 @@ from typing import Annotated, Any, cast
 import typer
 from rich.table import Table
 
-from coral_iac.cli.console import LIBRARY_ROOT, STACKS_DIR, out, print_json, reports_errors
+from coral_iac.cli.console import (
+    library_root,
+    load_stack_named,
+    out,
+    print_json,
+    reports_errors,
+    stacks_dir,
+)
 
 
 def simulate_cmd(
@@ -31,14 +38,24 @@ def simulate_cmd(
     ] = False,
 ) -> None:
     """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
+    import math
+
+    from coral_iac.cli.console import warn
     from coral_iac.cli.plan import load_plan
+    from coral_iac.demand_sources import resolve_demand
     from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
     from solver.simulation.simulator import simulate
-    from solver.simulation.traces import load_trace_csv, stack_traces
-    from solver.stack import load_stack
+    from solver.simulation.traces import load_trace_csv
 
-    fleet = load_stack(STACKS_DIR, stack)
+    for name, value in (("--duration", duration), ("--load", load)):
+        if not math.isfinite(value) or value <= 0:
+            example = "600" if name == "--duration" else "1.0"
+            raise InputError(
+                name, f"must be a positive number, got {value}", f"e.g. {name} {example}"
+            )
+    # The same demand `coral plan` used: the stack's demand source (config, file, Prometheus).
+    fleet = resolve_demand(load_stack_named(stack), stack, stacks_dir(), warn=warn)
     plan = load_plan(plan_file)
     perf = load_perf_model()
     if capacity:
@@ -47,14 +64,7 @@ def simulate_cmd(
     if trace_dir is not None:
         traces = {m: load_trace_csv(trace_dir / f"{m}.csv") for m in sorted(fleet.models)}
     else:
-        traces = stack_traces(fleet.models, duration, scale=load, seed=seed)
-        missing = sorted(set(fleet.models) - set(traces))
-        if missing:
-            raise InputError(
-                f"coral:fleet.models.{missing[0]}.demand",
-                "simulation needs requests_per_s (or a trace)",
-                "set demand.requests_per_s, or pass --trace-dir",
-            )
+        traces = stack_workload(fleet, duration, load, seed)
     summary = simulate(plan, fleet, perf, traces, duration).summary()
     if as_json:
         print_json(summary)
@@ -75,6 +85,33 @@ def simulate_cmd(
             f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
         )
     out.print(table)
+
+
+def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:
+    """Each model's requests at `load` x its demand (requests/s, or tokens/s over the mean
+    lengths): its `workload_trace`'s verification window, or generated with seed `seed + i`."""
+    from solver.simulation.traces import generate_trace
+    from solver.simulation.workload import model_trace, request_rate
+    from solver.stack import Demand
+
+    traces = {}
+    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+        rate = request_rate(spec) * load
+        if rate <= 0:
+            continue
+        if spec.workload_trace is not None:
+            scaled = spec.model_copy(update={"demand": Demand(requests_per_s=rate)})
+            traces[model] = model_trace(scaled, i, "verify", duration, stacks_dir().parent)
+        else:
+            traces[model] = generate_trace(
+                rate,
+                duration,
+                spec.mean_prompt_tokens,
+                spec.mean_output_tokens,
+                spec.workload,
+                seed=seed + i,
+            )
+    return traces
 
 
 def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:
@@ -100,7 +137,9 @@ def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) 
             f"{r['ratio']:.3f}{flag}",
         )
     out.print(table)
-    out.print("Units: prompt tokens/s (prefill), output tokens/s (decode), requests/s (aggregated).")
+    out.print(
+        "Units: prompt tokens/s (prefill), output tokens/s (decode), requests/s (aggregated)."
+    )
 
 
 def _ms(value: float | None, digits: int) -> str:
@@ -132,7 +171,6 @@ def epochs_cmd(
     from solver.plan.demand import stack_demand
     from solver.plan.planner import libraries_for
     from solver.simulation.epochs import run_epochs
-    from solver.stack import load_stack
 
     try:
         factors = [float(x) for x in availability.split(",")]
@@ -140,9 +178,9 @@ def epochs_cmd(
         raise InputError("--availability", f"not numbers: {availability}", "e.g. 1,0.8,0.6") from e
     if not factors or any(f < 0 for f in factors):
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
-    fleet = load_stack(STACKS_DIR, stack).with_target_utilization(target_utilization)
+    fleet = load_stack_named(stack).with_target_utilization(target_utilization)
     perf = load_perf_model()
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or LIBRARY_ROOT / stack)
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or library_root() / stack)
     results = run_epochs(
         stack,
         fleet,
