@@ -26,7 +26,7 @@ import numpy as np
 
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import ModelAttainment, Plan, template_ref
-from solver.plan.slo_capacity import ADMISSION_SHARE, capacity_factors
+from solver.plan.slo_capacity import ADMISSION_SHARE, MAX_UTILIZATION, capacity_factors
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
@@ -46,6 +46,7 @@ MIN_REQUESTS = 3_000  # a simulated window holds at least this many requests per
 GAIN = 3.0  # capacity cut per point of shortfall, times the phase's share of the misses
 MAX_STEP, MIN_STEP = 0.4, 0.03  # capacity cut per round and phase, as a share
 RELAX_SURPLUS = 0.015  # above target + MARGIN by this much: give capacity back
+MAX_HEADROOM = 4.0  # the loop's correction of the capacity model, at most
 
 PlanFn = Callable[[dict[str, float]], Plan]
 
@@ -170,12 +171,15 @@ def _fleet_keys(plan: Plan) -> dict[str, tuple[object, ...]]:
 def _relaxed(
     headroom: dict[Job, float], planned: dict[str, float], fleet: FleetConfig
 ) -> dict[Job, float] | None:
-    """Headroom given back to the models well above target (None: nothing to give back)."""
+    """Headroom given back to the models well above target (None: nothing to give back).
+
+    The correction may exceed 1 (up to MAX_HEADROOM): the capacity model is pessimistic where a
+    pool of many instances smooths bursts that one instance would see whole."""
     trial = dict(headroom)
     for (model, phase), k in headroom.items():
         surplus = planned.get(model, 0.0) - fleet.models[model].slo_attainment - MARGIN
-        if k < 1.0 and surplus > RELAX_SURPLUS:
-            trial[(model, phase)] = min(1.0, k * (1.0 + min(0.15, 2.0 * surplus)))
+        if k < MAX_HEADROOM and surplus > RELAX_SURPLUS:
+            trial[(model, phase)] = min(MAX_HEADROOM, k * (1.0 + min(0.25, 2.0 * surplus)))
     return trial if trial != headroom else None
 
 
@@ -184,7 +188,7 @@ def _scaled(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, flo
     by_job = {f"{m}/{ph}/": k for (m, ph), k in headroom.items()}
     for ref, f in base.items():
         model, phase, _ = ref.split("/", 2)
-        out[ref] = round(f * by_job.get(f"{model}/{phase}/", 1.0), 6)
+        out[ref] = round(min(MAX_UTILIZATION, f * by_job.get(f"{model}/{phase}/", 1.0)), 6)
     return out
 
 
