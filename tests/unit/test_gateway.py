@@ -341,6 +341,7 @@ def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gatewa
         regions=[{"cloud": "gcp", "region": "us-central1"}],
         node_configs=["l4x1", "l4x4", "a100-80gbx1"],
         deploy={"gateway": {"region": "us-east-1", "instance_type": "c7i.xlarge"}},
+        allocation={"budget_usd_per_hour": 40},  # GCP prices at the SLO attainment target
     )
     result = preview("remote", stacks)
     assert gateway_vm(result).inputs["instanceType"] == "c7i.xlarge"
@@ -369,6 +370,7 @@ def test_gateway_can_be_turned_off_and_a_gcp_only_fleet_gets_none_by_default(tmp
             "gcp",
             regions=[{"cloud": "gcp", "region": "us-central1"}],
             node_configs=["l4x1", "l4x4", "a100-80gbx1"],
+            allocation={"budget_usd_per_hour": 40},  # GCP prices at the SLO attainment target
         ),
     )
     for result in (off, gcp):
