@@ -54,7 +54,9 @@ def ref_wrr(weights: list[float], n: int) -> np.ndarray:
     return out
 
 
-def ref_chunked(inst: Instance, start: float, prompts: np.ndarray, limit: int) -> tuple:
+def ref_chunked(
+    inst: Instance, start: float, prompts: np.ndarray, limit: int
+) -> tuple[np.ndarray, float]:
     total = int(prompts.sum())
     chunk = min(total, limit)
     n = math.ceil(total / chunk)
@@ -81,7 +83,16 @@ def ref_prefill(inst: Instance, arrival: np.ndarray, prompt: np.ndarray, cap: in
     return done
 
 
-def ref_rounds(t, k, round_s, run_idx, run_left, finish, context, kv_used):  # type: ignore[no-untyped-def]
+def ref_rounds(
+    t: float,
+    k: int,
+    round_s: float,
+    run_idx: np.ndarray,
+    run_left: np.ndarray,
+    finish: np.ndarray,
+    context: np.ndarray,
+    kv_used: int,
+) -> tuple[float, np.ndarray, np.ndarray, int]:
     t += k * round_s
     run_left = run_left - k
     done = run_left == 0
@@ -92,7 +103,12 @@ def ref_rounds(t, k, round_s, run_idx, run_left, finish, context, kv_used):  # t
     return t, run_idx, run_left, kv_used
 
 
-def ref_decode(inst: Instance, ready: np.ndarray, context: np.ndarray, tokens: np.ndarray) -> tuple:
+Passed = tuple[np.ndarray, np.ndarray, int]  # first token, finish, peak KV
+
+
+def ref_decode(
+    inst: Instance, ready: np.ndarray, context: np.ndarray, tokens: np.ndarray
+) -> Passed:
     n = len(ready)
     first, finish = np.full(n, np.inf), np.full(n, np.inf)
     run_idx = np.empty(0, dtype=np.int64)
@@ -137,7 +153,7 @@ def ref_decode(inst: Instance, ready: np.ndarray, context: np.ndarray, tokens: n
 
 def ref_aggregated(
     inst: Instance, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, cap: int
-) -> tuple:
+) -> Passed:
     n = len(arrival)
     first, finish = np.full(n, np.inf), np.full(n, np.inf)
     context = prompt + output
