@@ -22,6 +22,7 @@ from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, 
 from solver.plan.validator import validate_plan
 from solver.stack import FleetConfig
 from solver.templates.library import Library, build_libraries, load_library, save_library
+from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
 
@@ -157,6 +158,23 @@ def plan_from_solution(
     )
 
 
+# (id of a library template, factor) -> (that template, kept alive so its id stays its own;
+# the scaled copy)
+_SCALED: dict[tuple[int, float], tuple[ServingTemplate, ServingTemplate]] = {}
+
+
+def _at_capacity(t: ServingTemplate, factor: float) -> ServingTemplate:
+    """The template with its throughput times `factor` (cached: the closed loop re-plans with
+    mostly the same factors, and a pydantic copy of 20,000 templates per round adds up)."""
+    key = (id(t), factor)
+    hit = _SCALED.get(key)
+    if hit is None:
+        if len(_SCALED) > 500_000:
+            _SCALED.clear()
+        hit = _SCALED[key] = (t, t.model_copy(update={"throughput": t.throughput * factor}))
+    return hit[1]
+
+
 def plan_stack(
     stack: str,
     fleet: FleetConfig,
@@ -179,11 +197,7 @@ def plan_stack(
     templates = {job: lib.templates for job, lib in libs.items()}
     if factors is not None:
         templates = {
-            job: [
-                t.model_copy(update={"throughput": t.throughput * f})
-                for t in ts
-                if (f := factors[template_ref(*job, t.key)]) > 0
-            ]
+            job: [_at_capacity(t, f) for t in ts if (f := factors[template_ref(*job, t.key)]) > 0]
             for job, ts in templates.items()
         }
     columns = make_columns(templates, market, demand)
