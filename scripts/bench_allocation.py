@@ -1,8 +1,13 @@
-"""Benchmark the online allocation (issue #4) on the paper's stacks, against the baselines.
+"""Benchmark the online allocation on the paper's stacks: speed (issue #20) and baselines (#4).
 
-For each stack: Coral's hourly cost, served fraction, solve time (median of --repeats solves)
-and gap; Homo's and Cauchy-like's cost and served fraction; and the ratios the paper reports
-(cost when every method serves everything; goodput, i.e. served fraction, when scarce).
+Default: per stack, the libraries' load time, the columns before and after reduction, the
+backend, the solve time (median of --repeats solves, at --gap), the wall time of `coral plan`
+(a subprocess, the SLO attainment loop and its simulation off), the gap and the served
+fraction; then the scaling family (`scaling_problems`) and its plot.
+
+`--baselines`: Coral's hourly cost, served fraction, solve time and gap; Homo's and
+Cauchy-like's cost and served fraction; and the ratios the paper reports (cost when every
+method serves everything; goodput, i.e. served fraction, when scarce).
 
 Run through `scripts/bench_allocation` (it sets up the environment first).
 """
@@ -46,6 +51,13 @@ def main(
     stacks: Annotated[list[str] | None, typer.Option(help="Stacks to run.")] = None,
     repeats: Annotated[int, typer.Option(help="Coral solves per stack (median time).")] = 5,
     markdown: Annotated[Path | None, typer.Option(help="Also write the table here.")] = None,
+    baselines: Annotated[bool, typer.Option(help="The baseline comparison instead.")] = False,
+    gap: Annotated[float, typer.Option(help="Relative gap of the speed table's solves.")] = 0.005,
+    scaling: Annotated[
+        list[int] | None, typer.Option(help="Scales of the scaling family (default 1-3).")
+    ] = None,
+    plot: Annotated[Path, typer.Option(help="Where the scaling plot goes.")] = ROOT
+    / "docs/allocation-scaling.png",
     backends: Annotated[
         list[str] | None,
         typer.Option(help="Compare these OR-Tools backends instead (one solve each)."),
@@ -55,6 +67,14 @@ def main(
 ) -> None:
     if backends:
         md = compare_backends(backend_stack, backends, time_limit)
+        if markdown:
+            markdown.write_text("\n".join(md) + "\n", encoding="utf-8")
+        return
+    if not baselines:
+        from bench_allocation_speed import scaling_table, speed_table
+
+        md = speed_table(stacks or STACKS, repeats, gap)
+        md += ["", *scaling_table(scaling or [1, 2, 3], gap, plot)]
         if markdown:
             markdown.write_text("\n".join(md) + "\n", encoding="utf-8")
         return
