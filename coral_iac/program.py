@@ -39,7 +39,9 @@ from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
+from coral_iac.exposure import exposure_warnings
 from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
+from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
 from coral_iac.infra import Infra, slug
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.errors import CoralError
@@ -143,7 +145,14 @@ def make_plan(
 def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
     """Fail the preview (not a node at boot) when the plan cannot run as declared."""
     problems = []
-    if fleet.library.mode != "vllm":
+    if fleet.library.mode == "paper":
+        problems.append(
+            "coral:fleet.library.mode is 'paper': the paper's template space (data-parallel "
+            "stages, a TP degree per node, multi-node decode pipelines) is for evaluation and "
+            "simulation; stock vLLM runs one TP size per pipeline and PP=1 on the disaggregated "
+            "decode side, so it cannot run these placements; set mode: vllm to deploy"
+        )
+    elif fleet.library.mode != "vllm":
         problems.append(
             f"coral:fleet.library.mode is '{fleet.library.mode}': only 'vllm' placements run on "
             "stock vLLM; set mode: vllm (use general for benchmarks only)"
@@ -351,7 +360,10 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         fleet = resolve_demand(fleet, stack, options.stacks_dir, warn=pulumi.log.warn)
         previous, previous_state = previous_outputs(stack)
         perf = load_perf_model()
-        plan = make_plan(stack, fleet, deploy, perf, previous, options)
+        # The plan knows nothing of the gateway: the allocation gets the budget less its $/hour.
+        gateway_usd = gateway_cost(fleet, deploy)
+        allocated = fleet_for_allocation(fleet, gateway_usd)
+        plan = make_plan(stack, allocated, deploy, perf, previous, options)
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None
     check_deployable(plan, fleet)
@@ -365,7 +377,11 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         deploy.drain_minutes * 60,
     )
     state = _without_removed_models(state, fleet)
-    pulumi.log.info(cost_diff_table(previous, plan, state))
+    pulumi.log.info(cost_diff_table(previous, plan, state, gateway_usd))
+    if gateway_usd is not None and gateway_usd.unpriced:
+        pulumi.log.warn(gateway_usd.summary())
+    for line in exposure_warnings(deploy):
+        pulumi.log.warn(line)
     if plan.served_fraction < 1:
         pulumi.log.warn(
             f"scarce: the plan serves {plan.served_fraction:.1%} of every model's demand. "
@@ -382,15 +398,18 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         where[f"{i.model}/{i.phase}/{i.template}"] = (
             where.get(f"{i.model}/{i.phase}/{i.template}", 0) + 1
         )
+    extra_usd = gateway_usd.usd_per_hour if gateway_usd is not None else 0.0
     outputs: dict[str, Any] = {
-        "hourly_cost_usd": plan.hourly_cost_usd,
+        "hourly_cost_usd": plan.hourly_cost_usd + extra_usd,  # GPU nodes + the gateway
+        "gateway_hourly_cost_usd": extra_usd,  # its priced part
+        "gateway_cost": gateway_usd.model_dump(mode="json") if gateway_usd else None,
         "cost_by_model": plan.cost_by_model,
         "served_fraction": plan.served_fraction,
         "instances_by_region": by_region,
         "endpoints": endpoints,
         **gateway,  # gateway, gateway_endpoints
         "plan": json.dumps(plan.model_dump(mode="json"), sort_keys=True),
-        "declared_hourly_cost_usd": state.hourly_cost_usd(),
+        "declared_hourly_cost_usd": state.hourly_cost_usd() + extra_usd,
         "instances_by_state": state.by_state(),
         "fleet_state": state.model_dump_json(),
     }

@@ -12,7 +12,15 @@ from typing import Annotated, Any
 import typer
 from rich.table import Table
 
-from coral_iac.cli.console import err, library_root, out, print_json, reports_errors, stacks_dir
+from coral_iac.cli.console import (
+    err,
+    library_root,
+    out,
+    print_json,
+    reports_errors,
+    stacks_dir,
+    warn,
+)
 
 NODE_TYPES = ("aws:ec2/instance:Instance", "gcp:compute/instance:Instance")
 
@@ -68,6 +76,9 @@ def preview(
     """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
     from coral_iac.components import gcp_label
     from coral_iac.cost_report import cost_diff_table
+    from coral_iac.deploy_settings import load_deploy_settings
+    from coral_iac.exposure import exposure_warnings
+    from coral_iac.gateway_cost import GatewayCost
     from solver.operations.reconfiguration import FleetState
 
     result, running = _run(stack, previous, library)
@@ -110,14 +121,20 @@ def preview(
         "Shared resources: "
         + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
     )
-    out.print(cost_diff_table(running, result.plan, state))
+    gateway_raw = result.outputs.get("gateway_cost")
+    gateway = GatewayCost.model_validate(gateway_raw) if gateway_raw else None
+    out.print(cost_diff_table(running, result.plan, state, gateway))
+    deploy = load_deploy_settings(stacks_dir(), stack)
+    for line in exposure_warnings(deploy):
+        warn(line)
+    reach = "mock addresses" + ("" if deploy.api_cidrs else "; unreachable: api_cidrs is empty")
     for model, urls in sorted((result.outputs.get("endpoints") or {}).items()):
-        out.print(f"{model}: {', '.join(urls)}  (mock addresses)")
+        out.print(f"{model}: {', '.join(urls)}  ({reach})")
     if "gateway" in result.outputs:
         (vm,) = [r for r in result.resources if r.type in NODE_TYPES and _is_gateway(r)]
         out.print(f"Gateway ({vm.inputs.get('instanceType')}): {result.outputs['gateway']}")
         for model, url in sorted(result.outputs["gateway_endpoints"].items()):
-            out.print(f"  {model}: {url}  (one address per model; mock address)")
+            out.print(f"  {model}: {url}  (one address per model; {reach})")
 
 
 def _is_gateway(resource: Any) -> bool:
