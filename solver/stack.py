@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from solver.catalog.paper_market import MarketSettings
 from solver.errors import InputError
 from solver.io import parse_model, read_yaml
 from solver.types import FROZEN, LibPhase, Mode
@@ -116,7 +117,7 @@ class LibrarySettings(BaseModel):
     model_config = FROZEN
     n_max: int = Field(default=6, ge=1, le=8, description="Most nodes in one serving template.")
     rho: float = Field(default=12, gt=1, description="Most total GPU memory, x model weights.")
-    mode: Mode = Field(default="vllm", description="Runtime capability: vllm or general.")
+    mode: Mode = Field(default="vllm", description="Runtime capability: vllm, general or paper.")
 
 
 class Region(BaseModel):
@@ -329,6 +330,10 @@ class FleetConfig(BaseModel):
     availability: list[NodeAvailability] = Field(default_factory=list)
     gpu_pools: list[GpuPool] = Field(default_factory=list)
     prices: list[PriceOverride] = Field(default_factory=list)
+    market: MarketSettings = Field(
+        default_factory=MarketSettings,
+        description="catalog (offers + overrides) or paper (Table 1 prices; paper_market.py).",
+    )
     allocation: AllocationSettings = Field(default_factory=AllocationSettings)
     attainment: AttainmentSettings = Field(default_factory=AttainmentSettings)
     demand_source: DemandSource = Field(
@@ -341,8 +346,8 @@ class FleetConfig(BaseModel):
         Raises:
             InputError: an unknown mode.
         """
-        if mode not in ("vllm", "general"):
-            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm or general")
+        if mode not in ("vllm", "general", "paper"):
+            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm, general or paper")
         return self.model_copy(update={"library": self.library.model_copy(update={"mode": mode})})
 
     def with_target_utilization(self, u: float | None) -> FleetConfig:

@@ -12,8 +12,9 @@ Phase = Literal["prefill", "decode"]
 LibPhase = Literal["prefill", "decode", "aggregated"]
 """What a serving template serves: one phase (disaggregated), or both on one pipeline."""
 
-Mode = Literal["vllm", "general"]
-"""Runtime capability: placements stock vLLM runs, or the paper's full PP+DP space."""
+Mode = Literal["vllm", "general", "paper"]
+"""Runtime capability: placements stock vLLM runs; general (the paper's PP+DP space plus per-GPU
+chains); paper (exactly the paper's space: `solver.templates.paper_mode`, evaluation only)."""
 
 Job = tuple[str, LibPhase]
 """(model id, library phase): one row of demand and one set of serving templates."""

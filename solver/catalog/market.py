@@ -58,6 +58,10 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
             ones), or an availability override for a node no offer or price override prices.
     """
     check_regions(fleet, catalog)
+    if fleet.market.kind == "paper":
+        from solver.catalog.paper_market import build_paper_market
+
+        return build_paper_market(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
     wanted = set(fleet.node_configs)
     price: dict[Slot, float] = {}

@@ -39,6 +39,10 @@ from solver.types import LibPhase, Mode
 
 def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
     """(node configs sold in the fleet's regions, listed ones no offer there sells)."""
+    if fleet.market.kind == "paper":
+        from solver.catalog.paper_market import paper_node_configs
+
+        return paper_node_configs(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
     sold = {o.node for o in catalog.offers if (o.cloud, o.region) in regions}
     return [n for n in fleet.node_configs if n in sold], [
@@ -185,6 +189,10 @@ class Candidate:
 
 def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candidate | None:
     """Best placement of one multiset under the mode; None when nothing fits the budgets."""
+    if mode == "paper":
+        from solver.templates.paper_mode import paper_candidate
+
+        return paper_candidate(rows, nodes)
     if mode == "general":
         # The paper's space; vLLM's chains are runnable too, so general includes them.
         candidates = [_general(rows, nodes), _vllm_per_gpu(rows, nodes, decode_pp1=False)]
