@@ -114,6 +114,33 @@ def single_template_plan(problem: Problem, fraction: float) -> dict[int, int] | 
     return None if best is None else best[1]
 
 
+def running_plan(problem: Problem, fraction: float) -> dict[int, int] | None:
+    """The running plan (nu0) on these columns, when it is a plan of this problem: it serves
+    `fraction` of demand within every bound and row (the common re-plan: demand moved
+    little). Re-planning then starts from it."""
+    plan = {
+        i: n for i, c in enumerate(problem.columns) if (n := problem.running.get(c.running_key, 0))
+    }
+    if not plan or not fits(problem, plan):
+        return None
+    served: dict[Job, float] = defaultdict(float)
+    regions: dict[Job, set[RegionId]] = defaultdict(set)
+    for i, n in plan.items():
+        c = problem.columns[i]
+        cap = upper_bound(c, problem.market, problem.demand[c.job])
+        if n > max(cap, n if problem.settings.add_only else 0):
+            return None  # more than the ILP's bound on this column allows
+        served[c.job] += n * c.template.throughput
+        regions[c.job].add(c.region)
+    if any(served[j] < d * fraction - 1e-9 for j, d in problem.demand.items() if d > 0):
+        return None
+    for model, phase in problem.demand:
+        tied = problem.settings.colocate_phases and phase == "prefill"
+        if tied and regions[(model, "prefill")] != regions[(model, "decode")]:
+            return None
+    return plan
+
+
 def _cheapest_cover(
     problem: Problem, job: Job, rest: float, region: RegionId | None, base: dict[int, int]
 ) -> tuple[int, int] | None:
@@ -137,7 +164,8 @@ def solve_part(problem: Problem, jobs: tuple[Job, ...], fraction: float) -> Part
         demand={j: problem.demand[j] for j in jobs},
         columns=[problem.columns[i] for i in index],
     )
-    start = single_template_plan(sub, fraction)
+    starts = [p for p in (single_template_plan(sub, fraction), running_plan(sub, fraction)) if p]
+    start = min(starts, key=lambda p: objective_of(sub, p), default=None)
     upper = None if start is None else objective_of(sub, start)
     kept = list(range(len(index))) if upper is None else reduce_columns(sub, upper, None, fraction)
     small = replace(sub, columns=[sub.columns[k] for k in kept])
@@ -164,9 +192,18 @@ def _proven(bound: float) -> float | None:
 
 
 def solve_parts(problem: Problem, fraction: float) -> tuple[list[Part], float]:
-    """Every part alone (`parts_of`), and the seconds it took."""
+    """Every part alone (`parts_of`), and the seconds it took.
+
+    The parts share the stack's time limit: each gets what the ones before left (at least
+    1 s), so the parts together take about `allocation.time_limit_s` at most.
+    """
     start = time.perf_counter()
-    parts = [solve_part(problem, jobs, fraction) for jobs in parts_of(problem)]
+    limit = problem.settings.time_limit_s
+    parts = []
+    for jobs in parts_of(problem):
+        left = max(1.0, limit - (time.perf_counter() - start))
+        timed = problem.settings.model_copy(update={"time_limit_s": left})
+        parts.append(solve_part(replace(problem, settings=timed), jobs, fraction))
     return parts, time.perf_counter() - start
 
 

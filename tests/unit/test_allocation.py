@@ -621,3 +621,28 @@ def test_gap_of_a_boundless_solve_is_unknown_never_a_huge_number():
     assert relative_gap_of(213.88, proven_bound(-1e20)) is None
     assert relative_gap_of(200.0, 199.0) == pytest.approx(0.005)
     assert relative_gap_of(0.0, None) == 0.0  # an empty plan is optimal
+
+
+def test_a_replan_starts_from_the_running_plan_while_it_still_serves_demand():
+    """The running plan bounds each part's reduction when it still serves demand; it is no
+    start once demand outgrows it."""
+    from dataclasses import replace
+
+    from solver.allocation.decompose import running_plan
+    from solver.allocation.problem import Problem, make_columns
+    from solver.catalog.market import build_market
+    from solver.plan.demand import capacity_needed, stack_demand
+
+    f = with_rps(3, 4)
+    first = plan_for(f)
+    market = build_market(f, perf().catalog)
+    demand = stack_demand(f)
+    templates = {job: lib.templates for job, lib in libraries().items()}
+    columns = make_columns(templates, market, demand)
+    problem = Problem(capacity_needed(f, demand), columns, market, f.allocation, first.counts())
+    plan = running_plan(problem, 1.0)
+    assert plan is not None
+    assert sum(plan.values()) == len(first.instances)
+    assert {columns[i].running_key: n for i, n in plan.items()} == first.counts()
+    doubled = {job: 2 * d for job, d in problem.demand.items()}
+    assert running_plan(replace(problem, demand=doubled), 1.0) is None
