@@ -34,7 +34,10 @@ def plan(
     stack: Annotated[
         str | None, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")
     ] = None,
-    baseline: Annotated[str | None, typer.Option(help="Run a baseline: homo or cauchy.")] = None,
+    baseline: Annotated[
+        str | None,
+        typer.Option(help="Run a baseline: homo, cauchy, or the paper's homo-paper, cauchy-paper."),
+    ] = None,
     previous: Annotated[
         Path | None, typer.Option(help="The running plan (start-up penalty counts from it).")
     ] = None,
@@ -68,13 +71,17 @@ def plan(
 
     if stack is None:
         raise InputError("--stack", "missing", "pass --stack NAME (a stacks/Pulumi.<NAME>.yaml)")
-    if baseline not in (None, "homo", "cauchy"):
-        raise InputError("--baseline", f"unknown baseline '{baseline}'", "use homo or cauchy")
+    if baseline not in (None, "homo", "cauchy", "homo-paper", "cauchy-paper"):
+        raise InputError(
+            "--baseline",
+            f"unknown baseline '{baseline}'",
+            "use homo, cauchy, homo-paper or cauchy-paper",
+        )
     if add_only and previous is None:
         raise InputError("--add-only", "needs the running plan", "pass --previous plan.json")
-    if add_only and baseline == "homo":
+    if add_only and baseline in ("homo", "homo-paper", "cauchy-paper"):
         raise InputError(
-            "--add-only", "the Homo baseline ignores the running plan", "drop one of the two"
+            "--add-only", f"the {baseline} baseline ignores the running plan", "drop one of the two"
         )
     result = make_plan(stack, baseline or "coral", previous, library, workers, add_only)
     if (line := gap_warning(result)) is not None:

@@ -203,7 +203,11 @@ def plan_stack(
     columns = make_columns(templates, market, demand)
     # Capacity to buy: demand over the target utilization (headroom for queueing).
     needed = capacity_needed(fleet, demand)
-    if method == "homo":
+    if method in ("homo-paper", "cauchy-paper"):
+        from solver.allocation.paper_baselines import paper_baseline
+
+        columns, solution = paper_baseline(method, fleet, market, needed, columns)
+    elif method == "homo":
         solution = homo_solution(fleet, market, needed, columns)
     else:
         if method == "cauchy":

@@ -14,7 +14,9 @@ from pydantic import BaseModel, Field
 from solver.templates.serving_template import ServingTemplate
 from solver.types import FROZEN, LibPhase
 
-Method = Literal["coral", "homo", "cauchy"]
+Method = Literal["coral", "homo", "cauchy", "homo-paper", "cauchy-paper"]
+"""homo/cauchy: today's stronger baselines; *-paper: the paper's, single-node replicas
+(`solver.allocation.paper_baselines`)."""
 
 
 class Instance(BaseModel):
