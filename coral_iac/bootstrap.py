@@ -236,6 +236,9 @@ class NodeBoot(BaseModel):
     master_addr: str = Field(description="Head node's private IP ('' on the head itself).")
     ports: Ports
     hf_token_secret: str = Field(description="Secret-manager name of the Hugging Face token.")
+    api_key_secret: str | None = Field(
+        default=None, description="Secret-manager name of the API key (None: no key)."
+    )
     router: RouterSpec | None = None
 
     @property
@@ -277,6 +280,7 @@ def node_boots(
     engine: EngineSettings,
     api_port: int,
     hf_token_secret: str,
+    api_key_secret: str | None = None,
 ) -> list[NodeBoot]:
     """One boot spec per node of the template (master_addr left '' for the Pulumi program).
 
@@ -292,6 +296,8 @@ def node_boots(
         engine: the engine flags every node of the instance shares.
         api_port: the stack's public API port (`deploy.api_port`).
         hf_token_secret: secret-manager name of the Hugging Face token.
+        api_key_secret: secret-manager name of the API key aggregated vLLM servers require
+            (`deploy.api_key_secret`; read at boot, never in user-data).
 
     Returns:
         One `NodeBoot` per node that runs vLLM processes.
@@ -325,6 +331,7 @@ def node_boots(
             master_addr="",
             ports=allocate_ports(api_port),
             hf_token_secret=secret_name(cloud, hf_token_secret),
+            api_key_secret=secret_name(cloud, api_key_secret) if api_key_secret else None,
         )
         for k in range(len(template.nodes))
         if procs.get(k)

@@ -58,6 +58,13 @@ class DeploySettings(BaseModel):
         min_length=1,
         description="Secret-manager name of the Hugging Face token, read by nodes at boot.",
     )
+    api_key_secret: str | None = Field(
+        default=None,
+        min_length=1,
+        description="Secret-manager name of an API key that clients must send (Authorization: "
+        "Bearer <key>): the gateway checks it, and aggregated vLLM servers get it as "
+        "VLLM_API_KEY, read at boot (never in user-data). Default: no key.",
+    )
     max_model_len: int = Field(
         default=8192,
         gt=0,

@@ -25,7 +25,7 @@ def exposure_warnings(deploy: DeploySettings) -> list[str]:
         One line per problem, each naming the key and the fix; empty when the API is open to
         some, not all, addresses.
     """
-    key = getattr(deploy, "api_key_secret", None)
+    key = deploy.api_key_secret
     if not deploy.api_cidrs:
         return [
             "coral:fleet.deploy.api_cidrs is empty: the API port is open to no one, so nothing "

@@ -45,6 +45,9 @@ WEIGHT_MAX = 256
 # Guide, "Managing parameter tiers", read 2026-11). Intelligent-Tiering picks advanced when needed.
 PARAMETER_LIMIT_CHARS = 8192
 POLL_SECONDS = 30
+# The API key as HAProxy compares it ("Bearer <key>"), written by coral-gateway-sync from the
+# secret manager: never in the SSM parameter or the user-data.
+API_KEY_FILE = "/etc/haproxy/coral-api-keys"
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # safe in a path, an ACL, a backend
 
 
@@ -155,9 +158,14 @@ def _environment() -> Environment:
 
 
 def render_haproxy_config(
-    upstreams: list[Upstream], stack: str, port: int, health_check_interval_ms: int
+    upstreams: list[Upstream],
+    stack: str,
+    port: int,
+    health_check_interval_ms: int,
+    api_key: bool = False,
 ) -> str:
-    """HAProxy's configuration: one route and backend per model, one server per upstream.
+    """HAProxy's configuration: one route and backend per model, one server per upstream;
+    with `api_key`, requests without the key in `API_KEY_FILE` get 401.
 
     Raises:
         InputError: no upstream at all (nothing to route to).
@@ -179,6 +187,7 @@ def render_haproxy_config(
             port=port,
             health_check_interval_ms=health_check_interval_ms,
             routes=routes,
+            api_key_file=API_KEY_FILE if api_key else None,
         )
     )
 
@@ -204,14 +213,17 @@ def parameter_name(stack: str) -> str:
     return f"/coral/{stack}/gateway/haproxy.cfg"
 
 
-def render_gateway_user_data(stack: str, region: str) -> str:
-    """The gateway VM's `#cloud-config`: HAProxy, and a timer that loads its configuration."""
+def render_gateway_user_data(stack: str, region: str, api_key_secret: str | None = None) -> str:
+    """The gateway VM's `#cloud-config`: HAProxy, and a timer that loads its configuration
+    (and the API key from Secrets Manager when `api_key_secret` names one)."""
     env = _environment()
     values = {
         "stack": stack,
         "region": region,
         "parameter": parameter_name(stack),
         "poll_seconds": POLL_SECONDS,
+        "api_key_secret": api_key_secret,
+        "api_key_file": API_KEY_FILE,
     }
     sync = env.get_template("gateway-sync.sh.j2").render(**values)
     return env.get_template("cloud-config.yaml.j2").render(sync_script=sync, **values)
@@ -234,6 +246,7 @@ class GatewayArgs:
     region: str
     api_port: int
     api_cidrs: list[str]
+    api_key_secret: str | None = None  # deploy.api_key_secret: the key clients must send
 
 
 class Gateway(pulumi.ComponentResource):
@@ -292,7 +305,7 @@ class Gateway(pulumi.ComponentResource):
             vpc_security_group_ids=[group.id],
             iam_instance_profile=self._identity(name, args),
             # The user-data holds no plan (module doc): only a settings change replaces it.
-            user_data=render_gateway_user_data(args.stack, args.region),
+            user_data=render_gateway_user_data(args.stack, args.region, args.api_key_secret),
             user_data_replace_on_change=True,
             metadata_options={
                 "http_tokens": "required",
@@ -322,17 +335,18 @@ class Gateway(pulumi.ComponentResource):
             opts=self._child,
         )
         arn = f"arn:aws:ssm:{args.region}:*:parameter{parameter_name(args.stack)}"
+        statements: list[dict[str, Any]] = [
+            {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn}
+        ]
+        if args.api_key_secret:  # and the API key it checks
+            secret = f"arn:aws:secretsmanager:{args.region}:*:secret:{args.api_key_secret}-*"
+            statements.append(
+                {"Effect": "Allow", "Action": "secretsmanager:GetSecretValue", "Resource": secret}
+            )
         aws.iam.RolePolicy(
             f"{name}-read-config",
             role=role.id,
-            policy=json.dumps(
-                {
-                    "Version": "2012-10-17",
-                    "Statement": [
-                        {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn}
-                    ],
-                }
-            ),
+            policy=json.dumps({"Version": "2012-10-17", "Statement": statements}),
             opts=self._child,
         )
         return aws.iam.InstanceProfile(f"{name}-profile", role=role.name, opts=self._child).name
@@ -353,7 +367,11 @@ class Gateway(pulumi.ComponentResource):
         def pack(resolved: Mapping[str, str]) -> str:
             upstreams = gateway_upstreams(plan, resolved, states)
             config = render_haproxy_config(
-                upstreams, self.args.stack, port, settings.health_check_interval_ms
+                upstreams,
+                self.args.stack,
+                port,
+                settings.health_check_interval_ms,
+                api_key=self.args.api_key_secret is not None,
             )
             return parameter_value(config)
 

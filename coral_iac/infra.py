@@ -161,7 +161,7 @@ class Infra:
                         {
                             "Effect": "Allow",
                             "Action": "secretsmanager:GetSecretValue",
-                            "Resource": f"arn:aws:secretsmanager:*:*:secret:{self.deploy.hf_token_secret}-*",
+                            "Resource": _secret_arns(self.deploy),
                         }
                     ],
                 }
@@ -256,6 +256,14 @@ class Infra:
                 member=account.email.apply(lambda e: f"serviceAccount:{e}"),
                 opts=opts,
             )
+            if self.deploy.api_key_secret:  # aggregated vLLM servers read it at boot
+                gcp.secretmanager.SecretIamMember(
+                    "node-read-api-key",
+                    secret_id=secret_name("gcp", self.deploy.api_key_secret),
+                    role="roles/secretmanager.secretAccessor",
+                    member=account.email.apply(lambda e: f"serviceAccount:{e}"),
+                    opts=opts,
+                )
             self.identity.gcp_service_account = account.email
         subnet = gcp.compute.Subnetwork(
             f"subnet-{region}",
@@ -309,3 +317,11 @@ class Infra:
                 )
             r.groups[model] = pulumi.Output.from_input(tag)
         return tag
+
+
+def _secret_arns(deploy: DeploySettings) -> str | list[str]:
+    """The secrets nodes may read: the Hugging Face token, and the API key when one is set."""
+    arns = [f"arn:aws:secretsmanager:*:*:secret:{deploy.hf_token_secret}-*"]
+    if deploy.api_key_secret:
+        arns.append(f"arn:aws:secretsmanager:*:*:secret:{deploy.api_key_secret}-*")
+    return arns[0] if len(arns) == 1 else arns

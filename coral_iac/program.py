@@ -238,6 +238,7 @@ def declare(
             disaggregated=spec.serving == "disaggregated",
             api_port=deploy.api_port,
             hf_token_secret=deploy.hf_token_secret,
+            api_key_secret=deploy.api_key_secret,
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
@@ -316,7 +317,14 @@ def _gateway(
         return None
     return Gateway(
         "gateway",
-        GatewayArgs(stack, settings, region, deploy.api_port, list(deploy.api_cidrs)),
+        GatewayArgs(
+            stack,
+            settings,
+            region,
+            deploy.api_port,
+            list(deploy.api_cidrs),
+            deploy.api_key_secret,
+        ),
         infra,
     )
 
