@@ -4,7 +4,10 @@ Takes demand per (model, phase), the library's serving templates, the stack's ma
 running plan nu0. Gives how many instances of each template run in each region (`Solution`),
 the cheapest that meets demand, or under scarcity the most-served one, with the constraints that
 bind. `problem` holds the data and columns, `constraints` and `objective` the formulation (one
-function per constraint family, its formula in the docstring), `solve` the solve and its
-two-step scarce solve, `explain` the binding constraints in words, and `baselines` the paper's
-Homo and Cauchy-like baselines on the same columns.
+function per constraint family, its formula in the docstring), `model` the ILP on an OR-Tools
+backend, `reduction` the columns a solve can do without (cost bounds, dominance under the
+stack's market), `decompose` the solve part by part (each job or colocated model alone, then
+the union), `solve` the whole solve and its two-step scarce solve, `explain` the binding
+constraints in words, and `baselines` the paper's Homo and Cauchy-like baselines on the same
+columns.
 """

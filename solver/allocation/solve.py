@@ -4,7 +4,8 @@ Integer nu[r, t] = instances of template t in region r. The formulation is in `c
 (availability per (region, node config) and per GPU pool; demand per (model, phase); colocation
 of a disaggregated model's phases; optional budget) and `objective` ($/hour plus the start-up
 penalty I[r, t] >= K p[r, t] (nu - nu0) against the running plan nu0, so only scaling up pays).
-Solved with OR-Tools (CP-SAT, SCIP or HiGHS, a stack setting).
+Solved with OR-Tools (CP-SAT, SCIP or HiGHS, a stack setting; `model`), part by part first
+(`decompose`), on the columns `reduction` keeps; docs/allocation.md has the measurements.
 
 Scarcity: when demand cannot be met, a first solve finds the largest fraction phi of every
 model's demand that can be served (uniform across models, as the paper does); a second finds the
