@@ -71,18 +71,20 @@ def priced_file(tmp_path: Path, doc: dict = PRICED) -> Path:
     return path
 
 
-def test_committed_prices_invent_nothing():
-    """cloud.md prices neither c7i.large nor an Elastic IP: both are listed as unpriced, with
-    why, and the gateway counts 0 $/hour while saying what it leaves out."""
+def test_committed_prices_carry_sources_and_invent_nothing():
+    """Every committed price has its source and date; the Elastic IP (AWS's public IPv4
+    charge) is priced, c7i.large is not (no source at hand), so the gateway counts the address
+    alone and says what it leaves out."""
     prices = load_gateway_prices()
-    assert prices.instances == [] and prices.addresses == []
-    assert {(u.cloud, u.item) for u in prices.unpriced} == {
-        ("aws", "c7i.large"),
-        ("aws", "elastic-ip"),
-    }
+    assert prices.instances == []
+    assert all(a.source and a.retrieved for a in prices.addresses)
+    assert [(a.cloud, a.kind, a.usd_per_hour) for a in prices.addresses] == [
+        ("aws", "elastic-ip", 0.005)
+    ]
+    assert {(u.cloud, u.item) for u in prices.unpriced} == {("aws", "c7i.large")}
     cost = gateway_cost(dev_fleet(), DeploySettings(), prices)
-    assert cost is not None and cost.usd_per_hour == 0
-    assert [i.name for i in cost.unpriced] == ["c7i.large VM", "elastic-ip"]
+    assert cost is not None and cost.usd_per_hour == pytest.approx(0.005)
+    assert [i.name for i in cost.unpriced] == ["c7i.large VM"]
     assert "cloud.md" in cost.unpriced[0].note
     assert "left out of the totals" in cost.summary()
 
@@ -129,7 +131,7 @@ def test_cost_diff_has_a_gateway_line_in_its_total(preview):
     assert "(+0.00)" in again
     unpriced = gateway_cost(dev_fleet(), DeploySettings(), load_gateway_prices())
     text = cost_diff_table(None, plan, None, unpriced)
-    assert "unpriced" in text and f"Coral plan: {plan.hourly_cost_usd:,.2f} $/hour" in text
+    assert "unpriced" in text and f"Coral plan: {plan.hourly_cost_usd + 0.005:,.2f} $/hour" in text
 
 
 def stacks_with(tmp_path: Path, name: str, allocation=None, deploy=None) -> Path:
@@ -159,7 +161,7 @@ def test_program_counts_the_gateway_in_cost_and_budget(tmp_path, preview, monkey
     with pytest.raises(pulumi.RunError, match="exceeds the budget"):
         preview("tight", tight)
     monkeypatch.setattr(gc, "PRICES", REPO / "coral_iac" / "data" / "gateway_prices.yaml")
-    assert preview("tight", tight).outputs["hourly_cost_usd"] == pytest.approx(nodes)
+    assert preview("tight", tight).outputs["hourly_cost_usd"] == pytest.approx(nodes + 0.005)
 
 
 @pytest.mark.parametrize(
