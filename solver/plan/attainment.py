@@ -18,15 +18,22 @@ Scarce plans (served fraction < 1) are simulated at the demand they serve.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
+from solver.io import digest
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import ModelAttainment, Plan, template_ref
-from solver.plan.slo_capacity import ADMISSION_SHARE, MAX_UTILIZATION, capacity_factors
+from solver.plan.slo_capacity import (
+    ADMISSION_SHARE,
+    CAPACITY_MODEL_VERSION,
+    MAX_UTILIZATION,
+    capacity_factors,
+)
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
@@ -52,19 +59,63 @@ PlanFn = Callable[[dict[str, float]], Plan]
 
 
 def base_factors(
-    fleet: FleetConfig, libs: dict[Job, Library], root: Path | None = None
+    fleet: FleetConfig,
+    libs: dict[Job, Library],
+    root: Path | None = None,
+    cache: Path | None = None,
 ) -> dict[str, float]:
-    """Template ref -> capacity factor at its model's target, from the capacity model."""
+    """Template ref -> capacity factor at its model's target, from the capacity model.
+
+    `cache`: a folder (the library's) where each job's factors are kept, keyed by the library's
+    input hashes, the SLOs, the target and the planning workload, so an unchanged stack
+    reuses them (the model takes seconds on 56,000 templates).
+    """
     out: dict[str, float] = {}
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
         workload = planning_workload(spec, i, root)
         for (m, phase), lib in sorted(libs.items()):
             if m != model:
                 continue
-            f = _reachable_factors(lib, spec, workload)
+            f = _cached(cache, lib, spec, workload)
             for t, x in zip(lib.templates, f, strict=True):
                 out[template_ref(model, phase, t.key)] = round(float(x), 6)
     return out
+
+
+def _cached(
+    cache: Path | None,
+    lib: Library,
+    spec: ModelSpec,
+    workload: Workload,
+) -> np.ndarray:
+    """`_reachable_factors`, or its result saved under `cache` for the same inputs."""
+    if cache is None:
+        return _reachable_factors(lib, spec, workload)
+    key = digest(
+        [
+            CAPACITY_MODEL_VERSION,
+            lib.input_hashes,
+            [t.key for t in lib.templates],
+            spec.slo_ms.model_dump(),
+            spec.slo_attainment,
+            workload.arrival_scv,
+            hashlib.sha256(workload.prompts.tobytes() + workload.outputs.tobytes()).hexdigest(),
+        ]
+    )
+    path = cache / "capacity" / f"{lib.model}__{lib.phase}__{key}.npy"
+    if path.exists():
+        try:
+            saved = np.load(path)
+            if saved.shape == (len(lib.templates),):
+                return np.asarray(saved, dtype=np.float64)
+        except (OSError, ValueError):
+            pass  # unreadable: computed again and rewritten below
+    values = _reachable_factors(lib, spec, workload)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npy")
+    np.save(tmp, values)
+    tmp.replace(path)
+    return values
 
 
 def _reachable_factors(lib: Library, spec: ModelSpec, workload: Workload) -> np.ndarray:
@@ -86,9 +137,11 @@ def plan_to_target(
     solve: PlanFn,
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    cache: Path | None = None,
 ) -> Plan:
-    """The closed loop and the verification (module doc); `solve(factors)` plans once."""
-    loop = _Loop(fleet, perf, base_factors(fleet, libs, root), solve, root, progress)
+    """The closed loop and the verification (module doc); `solve(factors)` plans once;
+    `cache`: where the capacity model's factors are kept (`base_factors`)."""
+    loop = _Loop(fleet, perf, base_factors(fleet, libs, root, cache), solve, root, progress)
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)

@@ -35,8 +35,10 @@ def libraries_for(
     workers: int = 2,
     progress: Callable[[Job, int, int], None] | None = None,
     rebuild_stale: bool = True,
+    stack: str | None = None,
 ) -> dict[Job, Library]:
-    """Load each job's library from `directory`; build missing ones, and stale ones when asked.
+    """Load each job's library from `directory`; build missing ones, and stale ones when asked
+    (`stack`: recorded as the folder's owner).
 
     Raises:
         InputError: a library is missing and `build_missing` is False.
@@ -58,7 +60,7 @@ def libraries_for(
             todo.append(job)
     if todo:
         for lib in build_libraries(perf, fleet, todo, workers, progress):
-            save_library(lib, directory)
+            save_library(lib, directory, stack)
             libs[(lib.model, lib.phase)] = lib
     return libs
 
@@ -242,13 +244,21 @@ def plan_with_library(
     from solver.plan.attainment import plan_to_target
 
     libs = libraries_for(
-        perf, fleet, list(stack_demand(fleet)), directory, True, workers, progress, rebuild_stale
+        perf,
+        fleet,
+        list(stack_demand(fleet)),
+        directory,
+        True,
+        workers,
+        progress,
+        rebuild_stale,
+        stack,
     )
 
     def solve(factors: dict[str, float]) -> Plan:
         return plan_stack(stack, fleet, perf.catalog, libs, previous, method, factors)
 
-    plan = plan_to_target(fleet, perf, libs, solve, root, on_round)
+    plan = plan_to_target(fleet, perf, libs, solve, root, on_round, cache=directory)
     library = {
         template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
     }
