@@ -62,6 +62,10 @@ def plan(
             help="Keep every instance of --previous and only add (coral:fleet.allocation.add_only)."
         ),
     ] = False,
+    force: Annotated[
+        bool,
+        typer.Option(help="Build into a --library folder that another stack's libraries own."),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Solve the allocation for a stack and print (and optionally write) the plan."""
@@ -83,7 +87,7 @@ def plan(
         raise InputError(
             "--add-only", f"the {baseline} baseline ignores the running plan", "drop one of the two"
         )
-    result = make_plan(stack, baseline or "coral", previous, library, workers, add_only)
+    result = make_plan(stack, baseline or "coral", previous, library, workers, add_only, force)
     if (line := gap_warning(result)) is not None:
         warn(line)
     failed = result.served_fraction < 1 or bool(result.below_target())
@@ -119,6 +123,7 @@ def make_plan(
     library: Path | None,
     workers: int,
     add_only: bool = False,
+    force: bool = False,
 ) -> Any:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan.
 
@@ -161,6 +166,7 @@ def make_plan(
             progress,
             root=stacks_dir().parent,
             on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
+            force=force,
         )
 
 

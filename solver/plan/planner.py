@@ -36,9 +36,11 @@ def libraries_for(
     progress: Callable[[Job, int, int], None] | None = None,
     rebuild_stale: bool = True,
     stack: str | None = None,
+    force: bool = False,
 ) -> dict[Job, Library]:
     """Load each job's library from `directory`; build missing ones, and stale ones when asked
-    (`stack`: recorded as the folder's owner).
+    (`stack`: recorded as the folder's owner; a folder another stack owns is never written to
+    unless `force`).
 
     Raises:
         InputError: a library is missing and `build_missing` is False.
@@ -59,10 +61,31 @@ def libraries_for(
                 raise
             todo.append(job)
     if todo:
+        _check_owner(directory, stack, force)
         for lib in build_libraries(perf, fleet, todo, workers, progress):
             save_library(lib, directory, stack)
             libs[(lib.model, lib.phase)] = lib
     return libs
+
+
+def _check_owner(directory: Path, stack: str | None, force: bool) -> None:
+    """Refuse to build into a library folder that another stack owns (its OWNER file).
+
+    Raises:
+        InputError: naming the folder, its owner and the fix.
+    """
+    from solver.templates.library import library_owner
+
+    owner = (library_owner(directory) or {}).get("stack")
+    if stack is None or owner in (None, stack) or force:
+        return
+    raise InputError(
+        "--library",
+        f"{directory} holds the template libraries of stack '{owner}', not '{stack}'; building "
+        "here would overwrite them",
+        f"drop --library (the default is .coral/library/{stack}), or pass --force to take the "
+        "folder over",
+    )
 
 
 def plan_from_solution(
@@ -234,12 +257,14 @@ def plan_with_library(
     rebuild_stale: bool = True,
     root: Path | None = None,
     on_round: Callable[[str], None] | None = None,
+    force: bool = False,
 ) -> Plan:
     """Load (or build) the stack's libraries from `directory`, plan for the models' SLO
     attainment targets, verify by simulation, and validate the plan.
 
     What `coral plan` and the Pulumi program both run. `root`: the project folder that
-    relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round.
+    relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
+    `force`: build into a library folder another stack owns.
     """
     from solver.plan.attainment import plan_to_target
 
@@ -253,6 +278,7 @@ def plan_with_library(
         progress,
         rebuild_stale,
         stack,
+        force,
     )
 
     def solve(factors: dict[str, float]) -> Plan:

@@ -145,3 +145,24 @@ def test_an_unknown_trace_names_the_key_and_the_packaged_ones():
     spec = fleet.models["phi-4"].model_copy(update={"workload_trace": "azure-chat-2099"})
     with pytest.raises(Exception, match="workload_trace.*azure-code-2023, azure-conv-2023"):
         model_trace(spec, 0, "plan", 60)
+
+
+def test_a_library_folder_of_another_stack_is_not_overwritten_without_force(
+    tmp_path, monkeypatch
+):
+    """`coral plan --library` at another stack's folder: refused when it would build there
+    (the folder's OWNER names the stack), allowed with --force."""
+    root = project(tmp_path)
+    doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
+    doc["config"]["coral:fleet"]["attainment"] = {"rounds": 0, "verify_minutes": 0}
+    (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+    (root / "stacks" / "Pulumi.other.yaml").write_text(yaml.safe_dump(doc))
+    monkeypatch.chdir(root)
+    lib = root / "lib"
+    assert runner.invoke(app, ["plan", "--stack", "other", "--library", str(lib)]).exit_code == 0
+    for f in lib.glob("*phi-4__decode*"):
+        f.unlink()  # a rebuild is needed now
+    r = runner.invoke(app, ["plan", "--stack", "s", "--library", str(lib)])
+    assert r.exit_code == 1 and "stack 'other'" in r.output and "--force" in r.output
+    r = runner.invoke(app, ["plan", "--stack", "s", "--library", str(lib), "--force"])
+    assert r.exit_code == 0, r.output
