@@ -47,7 +47,9 @@ def _fleet(stack: str, mode: str | None) -> Any:
 def templates_build(
     stack: Annotated[str, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")],
     out_dir: Annotated[Path, typer.Option("--out", help="Library folder to write.")],
-    mode: Annotated[str | None, typer.Option(help="vllm or general (overrides the stack).")] = None,
+    mode: Annotated[
+        str | None, typer.Option(help="vllm, general or paper (overrides the stack).")
+    ] = None,
     workers: Annotated[int, typer.Option(help="Worker processes (or Ray actors).")] = 2,
     executor: Annotated[
         str, typer.Option(help="process (local worker processes) or ray.")
@@ -122,7 +124,9 @@ def templates_show(
     model: Annotated[str, typer.Option(help="Model id.")],
     phase: Annotated[str, typer.Option(help="prefill, decode or aggregated.")],
     top: Annotated[int, typer.Option(help="How many templates.")] = 10,
-    mode: Annotated[str | None, typer.Option(help="vllm or general, when both are built.")] = None,
+    mode: Annotated[
+        str | None, typer.Option(help="vllm, general or paper, when several are built.")
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List templates by throughput per dollar (at the cheapest region offering all nodes)."""
