@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 from functools import cache
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -120,3 +121,34 @@ def test_mode_option_accepts_paper():
     assert f.with_mode("paper").library.mode == "paper"
     with pytest.raises(InputError, match="use vllm, general or paper"):
         f.with_mode("helix")
+
+
+def test_the_program_refuses_paper_mode_and_says_why():
+    import pulumi
+
+    from coral_iac.program import check_deployable
+
+    plan = SimpleNamespace(
+        binding=[],
+        served_fraction=1.0,
+        jobs=[],
+        below_target=lambda: [],
+        unpaired=lambda: [],
+    )
+    with pytest.raises(pulumi.RunError, match="mode is 'paper'.*stock vLLM runs one TP size"):
+        check_deployable(plan, paper_fleet())  # type: ignore[arg-type]
+
+
+def test_a_paper_plan_validates_and_prices_on_the_paper_market():
+    from solver.plan.planner import plan_stack
+    from solver.plan.validator import validate_plan
+
+    f = paper_fleet()
+    p = plan_stack("paper-test", f, perf().catalog, paper_libraries())
+    p = validate_plan(p, f, perf().catalog, perf().cards)
+    assert p.mode == "paper" and p.served_fraction == 1 and p.instances
+    l4 = f.market.l4_usd_per_gpu_hour
+    per_gpu = {"l4": l4, "l40s": 2.2 * l4}
+    for i in p.instances:
+        nodes = [perf().catalog.node(n) for n in i.nodes]
+        assert i.usd_per_hour == pytest.approx(sum(per_gpu[c.gpu_id] * c.gpu_count for c in nodes))
