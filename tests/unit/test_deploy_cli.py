@@ -33,12 +33,17 @@ def test_preview_rebuilds_a_stale_local_library(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
     library = ["--library", str(tmp_path / "library")]
     assert runner.invoke(app, ["preview", "--stack", "dev", "--json", *library]).exit_code == 0
-    for f in (tmp_path / "library").glob("*.json"):
-        doc = json.loads(f.read_text())
+    files = sorted((tmp_path / "library").glob("*.json"))
+    assert files
+    for f in files:  # format 2: a JSON header line, then the templates column by column
+        header, body = f.read_text().split("\n", 1)
+        doc = json.loads(header)
         doc["input_hashes"]["perf_model"] = "stale"
-        f.write_text(json.dumps(doc))
+        f.write_text(json.dumps(doc) + "\n" + body)
     r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
     assert r.exit_code == 0, r.output
+    for f in files:  # rebuilt for the current inputs
+        assert json.loads(f.read_text().split("\n", 1)[0])["input_hashes"]["perf_model"] != "stale"
 
 
 def test_render_writes_valid_user_data_per_node(tmp_path, monkeypatch):

@@ -74,8 +74,8 @@ def test_every_planned_node_is_declared_as_specified(tmp_path, preview):
             next(o for o in PERF.catalog.offers_for(n) if o.region == inst.region).instance_type
             for n in inst.nodes
         )
-    ssm = result.outputs["hourly_cost_usd"]
-    assert ssm == pytest.approx(plan.hourly_cost_usd)
+    ssm = result.outputs["hourly_cost_usd"]  # the nodes and the gateway's priced items
+    assert ssm == pytest.approx(plan.hourly_cost_usd + result.outputs["gateway_hourly_cost_usd"])
     assert set(result.outputs["endpoints"]) == {"phi-4"}
 
 
