@@ -87,6 +87,8 @@ def plan(
         raise InputError(
             "--add-only", f"the {baseline} baseline ignores the running plan", "drop one of the two"
         )
+    if out_file is not None and out_file.is_dir():  # before minutes of planning, not after
+        raise InputError(str(out_file), "is a folder", "give a file path, e.g. plan.json")
     result = make_plan(stack, baseline or "coral", previous, library, workers, add_only, force)
     if (line := gap_warning(result)) is not None:
         warn(line)
