@@ -54,6 +54,7 @@ GAIN = 3.0  # capacity cut per point of shortfall, times the phase's share of th
 MAX_STEP, MIN_STEP = 0.4, 0.03  # capacity cut per round and phase, as a share
 RELAX_SURPLUS = 0.015  # above target + MARGIN by this much: give capacity back
 MAX_HEADROOM = 4.0  # the loop's correction of the capacity model, at most
+UNREACHABLE_FACTOR = 0.1  # capacity / T-hat of a template no target is reachable on
 
 PlanFn = Callable[[dict[str, float]], Plan]
 
@@ -121,13 +122,15 @@ def _cached(
 def _reachable_factors(lib: Library, spec: ModelSpec, workload: Workload) -> np.ndarray:
     """Factors at the model's target or, when no template reaches it (prompts too long for
     the SLO on every template), at the highest target some template reaches, in steps of
-    0.005 (the verification then reports the model short, with why)."""
+    0.01; when none reaches any, a token UNREACHABLE_FACTOR for every template, so the plan
+    still serves and the verification reports the model short, with why."""
     target = spec.slo_attainment
-    while True:
+    while target > 0:
         f = capacity_factors(lib.templates, spec.slo_ms, workload, target)
-        if f.max(initial=0.0) > 0 or target <= 0.5:
+        if f.max(initial=0.0) > 0:
             return f
-        target = round(target - 0.005, 3)
+        target = round(target - 0.01, 3)
+    return np.full(len(lib.templates), UNREACHABLE_FACTOR)
 
 
 def plan_to_target(
@@ -145,6 +148,7 @@ def plan_to_target(
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
+    best = (plan, planned, dict(headroom))
     boost: dict[str, float] = {}  # a cut that changed none of a model's instances doubles
     while rounds and plan.instances and (short := loop.short(planned)):
         for model, gap in short.items():
@@ -156,6 +160,11 @@ def plan_to_target(
         for model in short:
             same = before.get(model) == after.get(model)
             boost[model] = boost.get(model, 1.0) * 2 if same else 1.0
+        if _closer(plan, planned, best, fleet):
+            best = (plan, planned, dict(headroom))
+    if not plan.instances or loop.short(planned):  # the round closest to every target
+        if _closer(best[0], best[1], (plan, planned, headroom), fleet):
+            plan, planned, headroom = best[0], best[1], dict(best[2])
     while rounds and plan.instances and not loop.short(planned):  # give back spare headroom
         trial = _relaxed(headroom, planned, fleet)
         if trial is None:
@@ -166,6 +175,22 @@ def plan_to_target(
             break
         plan, planned, headroom = relaxed, relaxed_planned, trial
     return _verified(plan, fleet, perf, planned, headroom, root)
+
+
+def _closer(
+    plan: Plan,
+    planned: dict[str, float],
+    best: tuple[Plan, dict[str, float], dict[Job, float]],
+    fleet: FleetConfig,
+) -> bool:
+    """Whether this round is closer to every target than `best`: it serves something where
+    best served nothing, or its worst shortfall (target - attainment, over models) is smaller."""
+
+    def worst(p: Plan, att: dict[str, float]) -> tuple[bool, float]:
+        gaps = [fleet.models[m].slo_attainment - a for m, a in att.items()]
+        return (p.served_fraction > 0, -max(gaps, default=0.0))
+
+    return worst(plan, planned) > worst(best[0], best[1])
 
 
 class _Loop:

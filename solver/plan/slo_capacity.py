@@ -41,7 +41,7 @@ from solver.simulation.workload import Workload
 from solver.stack import Slo
 from solver.templates.serving_template import ServingTemplate
 
-CAPACITY_MODEL_VERSION = 1  # raise when a formula changes: cached factors are recomputed
+CAPACITY_MODEL_VERSION = 2  # raise when a formula changes: cached factors are recomputed
 PREFILL_SHARE = 0.7  # of the miss budget 1 - target
 ADMISSION_SHARE = 0.1  # of the TTFT SLO, left for decode's admission wait
 MAX_UTILIZATION = 0.98
