@@ -40,10 +40,10 @@ def stack_nodes(tmp_path_factory, monkeypatch_module) -> dict[str, list[Proc]]:
     preview job runs it; stack -> its processes."""
     monkeypatch_module.chdir(REPO)
     root = tmp_path_factory.mktemp("stacks")
-    library = ["--library", str(root / "library")]
     runner = CliRunner()
     out: dict[str, list[Proc]] = {}
     for stack in DEPLOYABLE:
+        library = ["--library", str(root / "library" / stack)]  # a folder per stack, as by default
         r = runner.invoke(app, ["preview", "--stack", stack, *library])
         assert r.exit_code == 0, f"coral preview --stack {stack}:\n{r.output}"
         assert "$/hour" in r.stdout, r.stdout
@@ -231,7 +231,7 @@ def test_paper_stack_renders_nodes_vllm_accepts_or_is_refused_with_the_fix(
     refusal and its fix (a disaggregated model without both phases in one region when
     colocate_phases is false, an SLO attainment below target); never a crash."""
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path_factory.getbasetemp() / "library")]
+    library = ["--library", str(tmp_path_factory.getbasetemp() / "library" / stack)]
     out = tmp_path_factory.mktemp(stack)
     runner = CliRunner()
     preview = runner.invoke(app, ["preview", "--stack", stack, *library])
