@@ -28,7 +28,6 @@ from rich.console import Console
 from rich.table import Table
 
 from solver.performance.default_model import load_perf_model
-from solver.performance.perf_model import PerfModel
 from solver.plan.planner import plan_with_library
 from solver.plan.schema import Method, Plan
 from solver.stack import FleetConfig, load_stack
@@ -52,10 +51,6 @@ def paper_variant(fleet: FleetConfig) -> FleetConfig:
     library = fleet.library.model_copy(update={"mode": "paper"})
     market = fleet.market.model_copy(update={"kind": "paper"})
     return fleet.model_copy(update={"library": library, "market": market})
-
-
-def gpus(plan: Plan, perf: PerfModel) -> int:
-    return sum(perf.catalog.node(n).gpu_count for i in plan.instances for n in i.nodes)
 
 
 def lowest_attainment(plan: Plan) -> str:
@@ -118,7 +113,7 @@ def main(
                     v,
                     method,
                     f"{plan.hourly_cost_usd:.2f}",
-                    str(gpus(plan, perf)),
+                    str(plan.gpus(perf.catalog)),
                     f"{plan.served_fraction:.1%}",
                     lowest_attainment(plan),
                     below_target(plan),

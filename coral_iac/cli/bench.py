@@ -92,7 +92,7 @@ def bench_row(
         "method": method,
         "usd_per_hour": plan.hourly_cost_usd,
         "served": plan.served_fraction,
-        "gpus": sum(int(n.rsplit("x", 1)[1]) for i in plan.instances for n in i.nodes),
+        "gpus": plan.gpus(perf.catalog),
         "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
         "goodput": summary.get("goodput_tokens_per_s", 0.0),
         "attainment": summary.get("slo_attainment", 0.0),

@@ -92,7 +92,6 @@ def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[
     lengths): its `workload_trace`'s verification window, or generated with seed `seed + i`."""
     from solver.simulation.traces import generate_trace
     from solver.simulation.workload import model_trace, request_rate
-    from solver.stack import Demand
 
     traces = {}
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
@@ -100,8 +99,8 @@ def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[
         if rate <= 0:
             continue
         if spec.workload_trace is not None:
-            scaled = spec.model_copy(update={"demand": Demand(requests_per_s=rate)})
-            traces[model] = model_trace(scaled, i, "verify", duration, stacks_dir().parent)
+            root = stacks_dir().parent
+            traces[model] = model_trace(spec, i, "verify", duration, root, load)
         else:
             traces[model] = generate_trace(
                 rate,

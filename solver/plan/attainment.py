@@ -19,13 +19,14 @@ Scarce plans (served fraction < 1) are simulated at the demand they serve.
 from __future__ import annotations
 
 import hashlib
+import io
 import math
 from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 
-from solver.io import digest
+from solver.io import digest, write_atomic
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import ModelAttainment, Plan, template_ref
 from solver.plan.slo_capacity import (
@@ -44,7 +45,7 @@ from solver.simulation.workload import (
     planning_workload,
     request_rate,
 )
-from solver.stack import Demand, FleetConfig, ModelSpec, PhaseTokens
+from solver.stack import FleetConfig, ModelSpec
 from solver.templates.library import Library
 from solver.types import Job
 
@@ -112,10 +113,9 @@ def _cached(
         except (OSError, ValueError):
             pass  # unreadable: computed again and rewritten below
     values = _reachable_factors(lib, spec, workload)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp.npy")
-    np.save(tmp, values)
-    tmp.replace(path)
+    buffer = io.BytesIO()
+    np.save(buffer, values)
+    write_atomic(path, buffer.getvalue())
     return values
 
 
@@ -312,25 +312,8 @@ def _traces(
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
         if request_rate(spec) <= 0:
             continue
-        scaled = _at_scale(spec, scale)
-        traces[model] = model_trace(scaled, i, purpose, duration_s, root)
+        traces[model] = model_trace(spec, i, purpose, duration_s, root, scale)
     return traces, duration_s
-
-
-def _at_scale(spec: ModelSpec, scale: float) -> ModelSpec:
-    if scale == 1.0 or spec.demand is None:
-        return spec
-    d = spec.demand
-    if d.requests_per_s is not None:
-        demand = Demand(requests_per_s=d.requests_per_s * scale)
-    else:
-        assert d.tokens_per_s is not None
-        demand = Demand(
-            tokens_per_s=PhaseTokens(
-                prefill=d.tokens_per_s.prefill * scale, decode=d.tokens_per_s.decode * scale
-            )
-        )
-    return spec.model_copy(update={"demand": demand})
 
 
 def simulate_workload(

@@ -7,12 +7,15 @@ next re-plan (its instances are the running fleet, nu0). Instance keys are stabl
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
 from solver.templates.serving_template import ServingTemplate
 from solver.types import FROZEN, LibPhase
+
+if TYPE_CHECKING:
+    from solver.catalog.offers import Catalog
 
 Method = Literal["coral", "homo", "cauchy", "homo-paper", "cauchy-paper"]
 """homo/cauchy: today's stronger baselines; *-paper: the paper's, single-node replicas
@@ -116,6 +119,10 @@ class Plan(BaseModel):
     attainment: list[ModelAttainment] = Field(
         default_factory=list, description="Per model: SLO attainment target, planned, verified."
     )
+
+    def gpus(self, catalog: Catalog) -> int:
+        """GPUs the plan rents: every node of every instance, by its config's GPU count."""
+        return sum(catalog.node(n).gpu_count for i in self.instances for n in i.nodes)
 
     def below_target(self) -> list[ModelAttainment]:
         """Models whose verified attainment is below their target."""

@@ -64,9 +64,14 @@ class Workload:
 
 
 def model_trace(
-    spec: ModelSpec, index: int, purpose: Purpose, duration_s: float, root: Path | None = None
+    spec: ModelSpec,
+    index: int,
+    purpose: Purpose,
+    duration_s: float,
+    root: Path | None = None,
+    scale: float = 1.0,
 ) -> Trace:
-    """The model's requests for planning or verification, at its demand rate.
+    """The model's requests for planning or verification, at `scale` x its demand rate.
 
     Args:
         spec: the model (demand, mean lengths, workload shape or trace).
@@ -74,11 +79,12 @@ def model_trace(
         purpose: "plan" or "verify": disjoint seeds, or disjoint halves of a trace.
         duration_s: how long, at most (a trace window may be shorter).
         root: the project folder a relative `workload_trace` path is read from.
+        scale: demand multiplier (a scarce plan's served fraction, `coral simulate --load`).
 
     Raises:
         InputError: an unknown packaged trace or an unreadable CSV.
     """
-    rate = request_rate(spec)
+    rate = request_rate(spec) * scale
     if spec.workload_trace is None:
         seed = (PLAN_SEED if purpose == "plan" else VERIFY_SEED) + index
         return generate_trace(
