@@ -12,7 +12,7 @@ from datetime import date
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_validator
 
 from coral_iac.deploy_settings import DeploySettings
 from coral_iac.gateway import gateway_region
@@ -68,6 +68,19 @@ class GatewayPrices(BaseModel):
     addresses: list[AddressPrice] = Field(default_factory=list)
     unpriced: list[Unpriced] = Field(default_factory=list)
 
+    @model_validator(mode="after")
+    def _one_price_each(self) -> GatewayPrices:
+        """Two prices for one item would make the total depend on row order."""
+        seen: set[tuple[str, ...]] = set()
+        keys = [("instances", (p.cloud, p.instance_type, p.region)) for p in self.instances] + [
+            ("addresses", (p.cloud, p.kind, p.region or "*")) for p in self.addresses
+        ]
+        for where, key in keys:
+            if key in seen:
+                raise ValueError(f"{where}: {' '.join(key)} is priced twice; keep one row")
+            seen.add(key)
+        return self
+
     def instance(self, cloud: str, instance_type: str, region: str) -> InstancePrice | None:
         return next(
             (
@@ -84,9 +97,12 @@ class GatewayPrices(BaseModel):
         found = exact or [p for p in rows if p.region is None]
         return found[0] if found else None
 
-    def why_unpriced(self, cloud: str, item: str) -> str:
+    def why_unpriced(self, cloud: str, item: str, region: str) -> str:
+        """The listed reason, else which row is missing (never a silent 0)."""
         found = next((u for u in self.unpriced if (u.cloud, u.item) == (cloud, item)), None)
-        return found.why if found else f"no price in {PRICES.name}"
+        if found:
+            return found.why
+        return f"no price for {cloud} {item} in {region} in {PRICES.name}"
 
 
 def load_gateway_prices(path: Path | None = None) -> GatewayPrices:
@@ -166,14 +182,14 @@ def gateway_cost(
             usd_per_hour=vm.usd_per_hour if vm else None,
             note=f"{vm.source}, read {vm.retrieved}"
             if vm
-            else prices.why_unpriced(cloud, settings.instance_type),
+            else prices.why_unpriced(cloud, settings.instance_type, region),
         ),
         CostItem(
             name=kind,
             usd_per_hour=address.usd_per_hour if address else None,
             note=f"{address.source}, read {address.retrieved}"
             if address
-            else prices.why_unpriced(cloud, kind),
+            else prices.why_unpriced(cloud, kind, region),
         ),
     ]
     return GatewayCost(

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 from coral_iac import gateway_cost as gc
 from coral_iac.cli.app import app
 from coral_iac.cost_report import cost_diff_table
-from coral_iac.deploy_settings import DeploySettings
+from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.exposure import exposure_warnings, world_open
+from coral_iac.gateway import gateway_region
 from coral_iac.gateway_cost import (
     GatewayPrices,
     fleet_for_allocation,
@@ -27,7 +28,8 @@ from solver.plan.schema import Plan
 from solver.stack import parse_fleet
 from tests.conftest import REPO
 
-DEV = yaml.safe_load((REPO / "stacks" / "Pulumi.dev.yaml").read_text())
+STACKS = REPO / "stacks"
+DEV = yaml.safe_load((STACKS / "Pulumi.dev.yaml").read_text())
 PRICED = {
     "schema_version": 1,
     "instances": [
@@ -71,22 +73,64 @@ def priced_file(tmp_path: Path, doc: dict = PRICED) -> Path:
     return path
 
 
+def committed_stacks() -> list[str]:
+    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in STACKS.glob("Pulumi.*.yaml"))
+
+
 def test_committed_prices_carry_sources_and_invent_nothing():
-    """Every committed price has its source and date; the Elastic IP (AWS's public IPv4
-    charge) is priced, c7i.large is not (no source at hand), so the gateway counts the address
-    alone and says what it leaves out."""
+    """Every committed price has its source and date, and the VM rows come from a named catalog
+    file at a pinned commit (the one solver/data/offers.yaml prices the GPU nodes from)."""
     prices = load_gateway_prices()
-    assert prices.instances == []
-    assert all(a.source and a.retrieved for a in prices.addresses)
-    assert [(a.cloud, a.kind, a.usd_per_hour) for a in prices.addresses] == [
-        ("aws", "elastic-ip", 0.005)
-    ]
-    assert {(u.cloud, u.item) for u in prices.unpriced} == {("aws", "c7i.large")}
-    cost = gateway_cost(dev_fleet(), DeploySettings(), prices)
-    assert cost is not None and cost.usd_per_hour == pytest.approx(0.005)
-    assert [i.name for i in cost.unpriced] == ["c7i.large VM"]
-    assert "cloud.md" in cost.unpriced[0].note
+    assert prices.instances and prices.addresses
+    for row in [*prices.instances, *prices.addresses]:
+        assert row.source and row.retrieved and row.usd_per_hour > 0
+    for vm in prices.instances:
+        assert "skypilot-catalog catalogs/v8/aws/vms.csv @" in vm.source
+        assert vm.instance_type in vm.source
+    offers_source = (REPO / "solver" / "data" / "offers.yaml").read_text()
+    commit = prices.instances[0].source.split("@")[1].split()[0]
+    assert commit in offers_source
+
+
+@pytest.mark.parametrize("stack", committed_stacks())
+def test_every_committed_stack_prices_its_whole_gateway(stack):
+    """The gateway's VM and address are both priced wherever a committed stack puts it, so the
+    $/hour, the budget and the cost diff count it in full (no '*' note)."""
+    doc = yaml.safe_load((STACKS / f"Pulumi.{stack}.yaml").read_text())
+    fleet, deploy = parse_fleet(doc["config"], stack), parse_deploy(doc["config"], stack)
+    cost = gateway_cost(fleet, deploy, load_gateway_prices())
+    if cost is None:  # no gateway: switched off, or no aws region to put it in
+        assert not deploy.gateway.enabled or gateway_region(fleet, deploy.gateway) is None
+        return
+    prices = load_gateway_prices()
+    vm = prices.instance("aws", deploy.gateway.instance_type, cost.region)
+    address = prices.address("aws", "elastic-ip", cost.region)
+    assert vm is not None and address is not None, f"{stack}: gateway in {cost.region}"
+    assert not cost.unpriced
+    assert cost.usd_per_hour == pytest.approx(vm.usd_per_hour + address.usd_per_hour)
+    assert "in the totals and the budget" in cost.summary()
+    assert vm.source in cost.items[0].note and str(vm.retrieved) in cost.items[0].note
+
+
+def test_a_region_without_a_price_is_a_labelled_gap():
+    """No silent 0: the VM is listed as unpriced (naming the region and the file), the cost
+    diff marks the gateway row and says what the totals leave out."""
+    elsewhere = DeploySettings.model_validate({"gateway": {"region": "eu-west-1"}})
+    cost = gateway_cost(dev_fleet(), elsewhere, load_gateway_prices())
+    assert cost is not None and [i.name for i in cost.unpriced] == ["c7i.large VM"]
+    assert cost.unpriced[0].usd_per_hour is None
+    assert "no price for aws c7i.large in eu-west-1 in gateway_prices.yaml" in (
+        cost.unpriced[0].note
+    )
     assert "left out of the totals" in cost.summary()
+    address = load_gateway_prices().address("aws", "elastic-ip", "eu-west-1")
+    assert address is not None and cost.usd_per_hour == pytest.approx(address.usd_per_hour)
+
+
+def test_price_file_rejects_two_prices_for_one_item(tmp_path):
+    doc = PRICED | {"instances": PRICED["instances"] * 2}
+    with pytest.raises(InputError, match="c7i.large us-east-2 is priced twice"):
+        load_gateway_prices(priced_file(tmp_path, doc))
 
 
 def test_gateway_cost_sums_vm_and_regional_address():
@@ -129,9 +173,13 @@ def test_cost_diff_has_a_gateway_line_in_its_total(preview):
     assert "0.27" in gateway_row
     again = cost_diff_table(plan, plan, None, cost)  # a running stack: no change
     assert "(+0.00)" in again
-    unpriced = gateway_cost(dev_fleet(), DeploySettings(), load_gateway_prices())
+    elsewhere = DeploySettings.model_validate({"gateway": {"region": "eu-west-1"}})
+    unpriced = gateway_cost(dev_fleet(), elsewhere, load_gateway_prices())
+    assert unpriced is not None
     text = cost_diff_table(None, plan, None, unpriced)
-    assert "unpriced" in text and f"Coral plan: {plan.hourly_cost_usd + 0.005:,.2f} $/hour" in text
+    total = plan.hourly_cost_usd + unpriced.usd_per_hour  # the address alone
+    assert "gateway*" in text and f"Coral plan: {total:,.2f} $/hour" in text
+    assert "left out of the totals" in text
 
 
 def stacks_with(tmp_path: Path, name: str, allocation=None, deploy=None) -> Path:
@@ -161,7 +209,11 @@ def test_program_counts_the_gateway_in_cost_and_budget(tmp_path, preview, monkey
     with pytest.raises(pulumi.RunError, match="exceeds the budget"):
         preview("tight", tight)
     monkeypatch.setattr(gc, "PRICES", REPO / "coral_iac" / "data" / "gateway_prices.yaml")
-    assert preview("tight", tight).outputs["hourly_cost_usd"] == pytest.approx(nodes + 0.005)
+    committed = gateway_cost(dev_fleet(), DeploySettings(), load_gateway_prices())
+    assert committed is not None and not committed.unpriced
+    kept = preview("tight", tight).outputs
+    assert kept["hourly_cost_usd"] == pytest.approx(nodes + committed.usd_per_hour)
+    assert kept["gateway_hourly_cost_usd"] == pytest.approx(committed.usd_per_hour)
 
 
 @pytest.mark.parametrize(
@@ -196,7 +248,8 @@ def test_preview_cli_warns_about_reach(tmp_path, monkeypatch):
     r = runner.invoke(app, ["preview", "--stack", "open", *library])
     assert r.exit_code == 0, r.output
     assert "whole internet" in r.stderr and "unreachable" not in r.stdout
-    assert "gateway" in r.stdout and "unpriced" in r.stdout
+    assert "gateway" in r.stdout and "in the totals and the budget" in r.stdout
+    assert "unpriced" not in r.stdout
     r = runner.invoke(app, ["preview", "--stack", "closed", *library])
     assert r.exit_code == 0, r.output
     assert "api_cidrs is empty" in r.stderr
