@@ -41,6 +41,7 @@ from solver.templates.library_format import (
     decode_body,
     encode_body,
 )
+from solver.templates.placement_search import COUPLED_DECODE_VERSION
 from solver.templates.pruning import prune_dominated
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Job, LibPhase, Mode
@@ -80,7 +81,7 @@ def input_hashes(
     nodes, _ = available_node_configs(fleet, perf.catalog)
     spec = fleet.models[model]
     slo = spec.slo_ms.model_dump()
-    return {
+    hashes = {
         "gpu_data": digest(
             {g: perf.catalog.gpus[g].model_dump() for g in sorted(perf.catalog.gpus)}
         ),
@@ -118,6 +119,9 @@ def input_hashes(
         "rho": digest(fleet.library.rho),
         "mode": digest(fleet.library.mode),
     }
+    if fleet.library.mode == "paper" and phase == "decode":  # coupled decode pipelines (#19)
+        hashes["placement"] = digest(COUPLED_DECODE_VERSION)
+    return hashes
 
 
 def build_libraries(

@@ -7,7 +7,13 @@ Runtime mode `paper` places a node multiset exactly as the paper's per-template 
   the best valid one for that layer count; a node never splits across stages);
 - several nodes in one stage split its load (data parallelism: their T̂ add up);
 - every phase may span several nodes, decode included (multi-node decode);
-- the per-stage budget is the phase's SLO / S.
+- the per-stage budget is the phase's SLO / S;
+- a decode pipeline runs one micro-batch size at every stage (coupled; #19 item 5): the same
+  sequences pass through every stage, so the stage with the least KV per sequence (or the
+  slowest) caps the batch for all (`solver.templates.placement_search.place_coupled`). The
+  paper's per-stage T̂ lets each stage pick its own batch, which a pipeline cannot: measured
+  on Helix's cluster, such templates sustained about half their library throughput in the
+  simulator (docs/paper-figures.md).
 
 Unlike `general`, it has no per-GPU TP=1 chains (one vLLM process per GPU, several stages inside
 a node), which the paper's space does not contain. Templates of this mode are for evaluation and
@@ -19,13 +25,24 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import numpy as np
+
 from solver.templates.enumeration import Candidate, RowSource, _general
+from solver.templates.placement_search import Placement, place_coupled, place_fast
 from solver.types import Mode
 
 PAPER_MODE: Mode = "paper"
+# The coupled decode search's grids: periods geometric from PERIOD_FLOOR x the per-stage budget
+# to the budget (ratio 1.04 between neighbours), micro-batches every integer up to 32 then
+# geometric (ratio 1.03), plus every T̂ entry's own batch.
+PERIODS = 96
+PERIOD_FLOOR = 0.025
+BATCH_STEP = 1.03
 
 
-def paper_candidate(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
+def paper_candidate(
+    rows: RowSource, nodes: tuple[str, ...], coupled: bool = True
+) -> Candidate | None:
     """Best placement of one multiset in the paper's space; None when nothing fits the budgets.
 
     Args:
@@ -35,7 +52,101 @@ def paper_candidate(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None
     Returns:
         The throughput-optimal set partition of the nodes into stages (every node whole, at the
         TP degree its profile entry chose), labelled mode `paper`; None if no partition has
-        positive throughput.
+        positive throughput. Decode pipelines of several stages are coupled (one micro-batch
+        size at every stage) unless `coupled` is False (the paper's uncoupled T̂, kept to
+        measure what the coupling changes).
     """
-    found = _general(rows, nodes)
-    return None if found is None else replace(found, mode=PAPER_MODE)
+    if not coupled or rows.phase != "decode" or len(nodes) == 1:
+        found = _general(rows, nodes)
+        return None if found is None else replace(found, mode=PAPER_MODE)
+    return _coupled_decode(rows, nodes)
+
+
+def _coupled_decode(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
+    """Best of: every node in one data-parallel stage (S = 1, not coupled: each node serves its
+    own sequences) and the best coupled pipeline of S >= 2 stages."""
+    labels = tuple(sorted(set(nodes)).index(n) for n in nodes)
+    single = place_fast({1: rows.rows_for(nodes, 1, last=True)}, rows.layers, labels, [1])
+    counts = range(2, len(nodes) + 1)
+    piped = place_coupled(
+        {s: rows.rows_for(nodes, s) for s in counts},
+        {s: rows.rows_for(nodes, s, last=True) for s in counts},
+        {s: np.stack([coupled_seqs(rows, n, s, False) for n in nodes], axis=1) for s in counts},
+        {s: np.stack([coupled_seqs(rows, n, s, True) for n in nodes], axis=1) for s in counts},
+        {s: periods(rows, s) for s in counts},
+        rows.layers,
+        labels,
+    )
+    found = [p for p in (single, piped) if p is not None]
+    if not found:
+        return None
+    best = max(found, key=lambda p: p.throughput)  # the single stage first on ties
+    return _candidate(rows, nodes, best)
+
+
+def _candidate(rows: RowSource, nodes: tuple[str, ...], placement: Placement) -> Candidate:
+    """Every node whole in its stage, at the TP degree its T̂ entry chose (as `_general`)."""
+    s_count = len(placement.stages)
+    tps = {
+        k: rows.chosen_tp(nodes[k], s_count, j, last=i == s_count - 1)
+        for i, (members, j) in enumerate(zip(placement.stages, placement.layers, strict=True))
+        for k in members
+    }
+    procs = tuple(
+        (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
+    )
+    return Candidate(nodes, PAPER_MODE, placement, procs)
+
+
+def periods(rows: RowSource, stages: int) -> np.ndarray:
+    """The period grid (ms) of an S-stage decode pipeline: up to its per-stage budget."""
+    budget = rows.spec.slo_ms.decode / stages
+    return budget * np.geomspace(PERIOD_FLOOR, 1.0, PERIODS)
+
+
+def batch_grid(top: int) -> np.ndarray:
+    """Micro-batch sizes tried: 1..32, then geometric, up to `top`."""
+    sizes, b = list(range(1, min(top, 32) + 1)), 32.0
+    while b * BATCH_STEP <= top:
+        b *= BATCH_STEP
+        sizes.append(int(b))
+    return np.unique(np.array(sizes + [top], dtype=np.int64))
+
+
+def coupled_seqs(rows: RowSource, node: str, stages: int, last: bool) -> np.ndarray:
+    """(PERIODS, L) x(j, p): the most sequences `node` holding j layers runs per micro-batch of
+    an S-stage decode pipeline within period p (cached on `rows`).
+
+    The same T̂ entries as the uncoupled table (its TP degree per j, its batch: the KV share of
+    one of S micro-batches in flight, the batch cap and the per-stage budget), then, on the
+    batch grid, the largest batch whose stage time (`PerfModel.stage_time_ms`, linear in the
+    layer count) is within p. Zero where the entry is infeasible.
+    """
+    cache: dict[tuple[str, int, bool], np.ndarray] = rows.__dict__.setdefault("_coupled", {})
+    key = (node, stages, last)
+    if key in cache:
+        return cache[key]
+    perf, ctx = rows.perf, rows.spec.decode_context_tokens
+    hop = stages > 1 and not last
+    budget = rows.spec.slo_ms.decode / stages
+    grid_p = periods(rows, stages)
+    entries = perf.profile_table(
+        rows.model, "decode", budget, [node], ctx, hop=hop, in_flight=stages
+    )
+    out = np.zeros((len(grid_p), rows.layers))
+    for tp in sorted({e.tp for e in entries}):
+        mine = [e for e in entries if e.tp == tp]
+        caps = np.array([e.batch for e in mine])
+        js = np.array([e.layers for e in mine])
+        grid = np.unique(np.concatenate([batch_grid(int(caps.max())), caps]))
+
+        def time(b: int, layers: int, tp: int = tp) -> float:
+            return perf.stage_time_ms(rows.model, node, tp, "decode", b, ctx, layers, hop)
+
+        one = np.array([time(int(b), 1) for b in grid])
+        per_layer = np.array([time(int(b), 2) for b in grid]) - one
+        t = np.maximum.accumulate(js[:, None] * per_layer + (one - per_layer), axis=1)
+        ok = (t[None] <= grid_p[:, None, None] * (1 + 1e-9)) & (grid <= caps[:, None])[None]
+        out[:, js - 1] = np.where(ok, grid, 0).max(axis=2)
+    cache[key] = out
+    return out

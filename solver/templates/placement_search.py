@@ -195,3 +195,107 @@ def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:
     js = trim_surplus(layers_at(mono, t), n_layers)
     achieved = min(float(mono[i, js[i] - 1]) for i in range(len(js)))
     return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))
+
+
+# Coupled decode pipelines (#19 item 5). Bumped when the coupled search changes what a library
+# holds, so libraries built before are rebuilt (solver.templates.library.input_hashes).
+COUPLED_DECODE_VERSION = "1"
+
+
+def place_coupled(
+    upper: Tables,
+    upper_last: Tables,
+    seqs: dict[int, np.ndarray],
+    seqs_last: dict[int, np.ndarray],
+    periods: dict[int, np.ndarray],
+    n_layers: int,
+    labels: tuple[int, ...],
+) -> Placement | None:
+    """Best decode pipeline when every stage runs the same micro-batch (vLLM's pipeline).
+
+    A decode pipeline of S stages keeps S micro-batches in flight and every micro-batch is the
+    same sequences at every stage, so all stages run one micro-batch size B at one period p (the
+    slowest stage's time) and the pipeline makes B x 1000 / p tokens/s. The stage that holds the
+    least KV (or is slowest) caps B for all. `place_fast` lets each stage pick its own batch (its
+    T̂ at its own best size), which is an upper bound of this.
+
+    For a fixed period p the problem has `place_fast`'s structure: node k holding j layers
+    serves x_k(j, p) sequences per micro-batch (the most that fit its KV share and finish within
+    p), data-parallel members of a stage add up, x is non-increasing in j, and a partition
+    reaches micro-batch B iff its groups hold >= L layers at B. So for every partition the best
+    B(p) is the L-th largest value of its groups' summed x (and every group holding >= 1 layer),
+    and the best pipeline is the maximum of B(p) x 1000 / p over the period grid.
+
+    Partitions are evaluated in decreasing order of their uncoupled throughput (`upper`, the
+    same bound `place_fast` uses) and the search stops once that bound is no better than the
+    best coupled pipeline found: exact over partitions and layer splits for the period grid.
+
+    Args:
+        upper, upper_last: S -> (n, L) uncoupled T̂ (tokens/s) of every node as a middle or
+            the last stage: each partition's upper bound.
+        seqs, seqs_last: S -> (P, n, L) sequences x_k(j, p) per micro-batch at each period.
+        periods: S -> (P,) the period grid (ms), each <= that S's per-stage budget.
+        n_layers: layers to place (L).
+        labels: a label per node; equal labels mark identical nodes.
+
+    Returns:
+        The best coupled placement (throughput in tokens/s), or None when none has B > 0.
+        Single-stage pipelines are not considered (S = 1 is not coupled: use `place_fast`).
+    """
+    n = len(labels)
+    parts = set_partitions(labels)
+    mm = _mask_matrix(n)
+    bounds: list[tuple[float, int, int, int]] = []  # (upper bound, S, partition, last group)
+    for s in sorted(seqs):
+        if s < 2 or s not in parts or s > n_layers:
+            continue
+        masks = parts[s]
+        g, gl = mm @ _monotone(upper[s]), mm @ _monotone(upper_last[s])
+        for b in range(s):
+            stacked = g[masks]  # (partitions, S, L), a copy
+            stacked[:, b] = gl[masks[:, b]]
+            flat = stacked.reshape(len(masks), -1)
+            lth = -np.partition(-flat, n_layers - 1, axis=1)[:, n_layers - 1]
+            values = np.minimum(lth, stacked[:, :, 0].min(axis=1))
+            bounds.extend((float(v), s, i, b) for i, v in enumerate(values) if v > 0)
+    bounds.sort(key=lambda r: (-r[0], r[1], r[2], r[3]))  # best first; ties in a fixed order
+    best: Placement | None = None
+    grouped: dict[int, tuple[np.ndarray, np.ndarray]] = {}  # S -> (P, 2^n, L) summed x
+    for bound, s, i, b in bounds:
+        if best is not None and bound <= best.throughput * (1 + 1e-12):
+            break
+        if s not in grouped:
+            grouped[s] = (
+                np.einsum("gk,pkl->pgl", mm, _monotone(seqs[s])),
+                np.einsum("gk,pkl->pgl", mm, _monotone(seqs_last[s])),
+            )
+        found = _coupled_partition(grouped[s], periods[s], parts[s][i], b, n_layers)
+        if found is not None and (best is None or found.throughput > best.throughput * (1 + 1e-12)):
+            best = found
+    return best
+
+
+def _coupled_partition(
+    grouped: tuple[np.ndarray, np.ndarray],
+    periods: np.ndarray,
+    groups: np.ndarray,
+    last: int,
+    n_layers: int,
+) -> Placement | None:
+    """One partition (group bitmasks, the last group's index) at its best period."""
+    gx, gx_last = grouped
+    order = [k for k in range(len(groups)) if k != last] + [last]
+    tables = np.stack(
+        [gx[:, groups[k]] for k in order[:-1]] + [gx_last[:, groups[last]]], axis=1
+    )  # (P, S, L) in pipeline order
+    flat = tables.reshape(len(periods), -1)
+    lth = -np.partition(-flat, n_layers - 1, axis=1)[:, n_layers - 1]
+    batch = np.minimum(lth, tables[:, :, 0].min(axis=1))
+    rate = batch * 1e3 / periods
+    p = int(np.argmax(rate))
+    if rate[p] <= 0:
+        return None
+    js = trim_surplus(layers_at(tables[p], float(batch[p])), n_layers)
+    achieved = min(float(tables[p, k, js[k] - 1]) for k in range(len(js)))
+    stages = tuple(tuple(k for k in range(64) if (int(groups[m]) >> k) & 1) for m in order)
+    return Placement(achieved * 1e3 / float(periods[p]), stages, tuple(js))
