@@ -20,7 +20,7 @@ from pydantic import BaseModel, Field, model_validator
 from solver.catalog.paper_market import MarketSettings
 from solver.errors import InputError
 from solver.io import parse_model, read_yaml
-from solver.types import FROZEN, LibPhase, Mode
+from solver.types import BUCKET_SEP, FROZEN, LibPhase, Mode
 
 FLEET_KEY = "coral:fleet"
 
@@ -54,6 +54,50 @@ class Demand(BaseModel):
         return self
 
 
+class LengthRouting(BaseModel):
+    """Route a model's requests by prompt length (Mélange's request-size buckets): each bucket
+    gets its own instances, planned for its own lengths (solver/plan/length_routing.py)."""
+
+    model_config = FROZEN
+    split_quantiles: list[float] = Field(
+        min_length=1,
+        max_length=3,
+        description="Cut the prompt lengths at these quantiles of the planning workload, e.g. "
+        "[0.5] (two buckets at the median) or [0.9].",
+    )
+    mode: Literal["auto", "always"] = Field(
+        default="auto",
+        description="auto: plan with and without the buckets and keep the cheaper of the two "
+        "that meets the target; always: route whatever it costs.",
+    )
+    bytes_per_token: float = Field(
+        default=4.0,
+        gt=0,
+        le=64,
+        description="The gateway routes on the request's Content-Length: a bucket's bound in "
+        "tokens times this (about 4 bytes of English text per token).",
+    )
+
+    @model_validator(mode="after")
+    def _increasing(self) -> LengthRouting:
+        q = self.split_quantiles
+        if any(not 0 < x < 1 for x in q) or any(a >= b for a, b in zip(q, q[1:], strict=False)):
+            raise ValueError(f"split_quantiles must increase strictly inside (0, 1), got {q}")
+        return self
+
+
+class LengthSlice(BaseModel):
+    """The requests of one length bucket: set by the planner on a bucket's spec, never in a
+    stack file."""
+
+    model_config = FROZEN
+    min_prompt_tokens: float = Field(ge=0, description="Prompts longer than this ...")
+    max_prompt_tokens: float | None = Field(description="... and at most this (None: no bound).")
+    share: float = Field(gt=0, le=1, description="The bucket's share of the model's requests.")
+    base_prompt_tokens: float = Field(gt=0, description="The whole model's mean prompt length.")
+    base_output_tokens: float = Field(gt=0, description="The whole model's mean output length.")
+
+
 class ModelSpec(BaseModel):
     """One served model: its SLOs, the mean request shape of its workload, and its demand."""
 
@@ -82,6 +126,14 @@ class ModelSpec(BaseModel):
         "azure-code-2023) or a CSV in the project (timestamp,prompt,output). Its time is "
         "scaled to the demand and its lengths to the mean lengths above. Default: generated "
         "requests shaped like `workload`.",
+    )
+    length_routing: LengthRouting | None = Field(
+        default=None,
+        description="Route requests by prompt length to buckets of their own instances "
+        "(docs/slo-attainment.md, length-aware routing). Default: one pool.",
+    )
+    length_slice: LengthSlice | None = Field(
+        default=None, description="Set by the planner on a length bucket; not for stack files."
     )
 
     def phase_demand(self) -> dict[LibPhase, float]:
@@ -413,6 +465,21 @@ def fleet_object(config: dict[str, Any], source: str) -> dict[str, Any]:
 def parse_fleet(config: dict[str, Any], source: str) -> FleetConfig:
     """The solver's part of `coral:fleet`: everything but its `deploy` section."""
     obj = {k: v for k, v in fleet_object(config, source).items() if k != DEPLOY_KEY}
+    for name, spec in (
+        (obj.get("models") or {}).items() if isinstance(obj.get("models"), dict) else ()
+    ):
+        if BUCKET_SEP in str(name):
+            raise InputError(
+                f"{source}: {FLEET_KEY}.models.{name}",
+                f"'{BUCKET_SEP}' is reserved for length buckets",
+                "use the model id from `coral catalog models`",
+            )
+        if isinstance(spec, dict) and "length_slice" in spec:
+            raise InputError(
+                f"{source}: {FLEET_KEY}.models.{name}.length_slice",
+                "is set by the planner, not in a stack file",
+                "remove it; use length_routing: {split_quantiles: [...]}",
+            )
     return parse_model(FleetConfig, obj, f"{source}: {FLEET_KEY}")
 
 

@@ -21,3 +21,10 @@ Job = tuple[str, LibPhase]
 
 FROZEN = ConfigDict(frozen=True, extra="forbid")
 """Every boundary model: immutable once parsed, and unknown keys are errors."""
+
+BUCKET_SEP = "@"  # "<model>@b<i>": a length bucket's name in a plan (model ids never hold it)
+
+
+def base_model(name: str) -> str:
+    """The model a plan's model name serves: "phi-4@b1" (a length bucket) -> "phi-4"."""
+    return name.split(BUCKET_SEP, 1)[0]

@@ -16,6 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from solver.errors import unknown_value
 from solver.io import data_path, load_yaml_model
+from solver.types import base_model
 
 ModelId = str
 
@@ -130,6 +131,8 @@ def load_model_cards(path: Path | None = None) -> dict[ModelId, ModelCard]:
 
 
 def get_card(cards: dict[ModelId, ModelCard], model: ModelId) -> ModelCard:
+    """The card of `model`, or of the model a length bucket ("phi-4@b1") serves."""
+    model = base_model(model)
     if model not in cards:
         raise unknown_value("model", model, cards, "model")
     return cards[model]

@@ -260,32 +260,44 @@ def plan_with_library(
     force: bool = False,
 ) -> Plan:
     """Load (or build) the stack's libraries from `directory`, plan for the models' SLO
-    attainment targets, verify by simulation, and validate the plan.
+    attainment targets (with length buckets for the models that ask:
+    `solver.plan.length_routing`), verify by simulation, and validate the plan.
 
     What `coral plan` and the Pulumi program both run. `root`: the project folder that
     relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
     `force`: build into a library folder another stack owns.
     """
     from solver.plan.attainment import plan_to_target
+    from solver.plan.length_routing import plan_routed
 
-    libs = libraries_for(
-        perf,
-        fleet,
-        list(stack_demand(fleet)),
-        directory,
-        True,
-        workers,
-        progress,
-        rebuild_stale,
-        stack,
-        force,
-    )
+    loaded: dict[Job, Library] = {}
 
-    def solve(factors: dict[str, float]) -> Plan:
-        return plan_stack(stack, fleet, perf.catalog, libs, previous, method, factors)
+    def plan_once(planned_fleet: FleetConfig) -> Plan:
+        libs = libraries_for(
+            perf,
+            planned_fleet,
+            list(stack_demand(planned_fleet)),
+            directory,
+            True,
+            workers,
+            progress,
+            rebuild_stale,
+            stack,
+            force,
+        )
+        loaded.update(libs)
 
-    plan = plan_to_target(fleet, perf, libs, solve, root, on_round, cache=directory)
+        def solve(factors: dict[str, float]) -> Plan:
+            return plan_stack(stack, planned_fleet, perf.catalog, libs, previous, method, factors)
+
+        return plan_to_target(planned_fleet, perf, libs, solve, root, on_round, cache=directory)
+
+    plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round)
+    jobs = set(stack_demand(planned_fleet))
     library = {
-        template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
+        template_ref(m, ph, t.key): t
+        for (m, ph), lib in loaded.items()
+        if (m, ph) in jobs
+        for t in lib.templates
     }
     return validate_plan(plan, fleet, perf.catalog, perf.cards, library)

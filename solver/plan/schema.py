@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from pydantic import BaseModel, Field
 
 from solver.templates.serving_template import ServingTemplate
-from solver.types import FROZEN, LibPhase
+from solver.types import BUCKET_SEP, FROZEN, LibPhase
 
 if TYPE_CHECKING:
     from solver.catalog.offers import Catalog
@@ -93,6 +93,36 @@ class ModelAttainment(BaseModel):
         return max(0.0, self.target - self.verified) if self.verified is not None else 0.0
 
 
+class LengthBucket(BaseModel):
+    """One length bucket of a routed model: its requests get instances of their own."""
+
+    model_config = FROZEN
+    name: str = Field(description="<model>@b<i>: the plan's model name for its instances.")
+    min_prompt_tokens: float = Field(ge=0, description="Prompts longer than this ...")
+    max_prompt_tokens: float | None = Field(description="... and at most this (None: any).")
+    min_body_bytes: int = Field(ge=0, description="The gateway's Content-Length bounds ...")
+    max_body_bytes: int | None = Field(description="... (tokens x bytes_per_token).")
+    share: float = Field(gt=0, le=1, description="Share of the model's planning requests.")
+    mean_prompt_tokens: float = Field(gt=0)
+    mean_output_tokens: float = Field(gt=0)
+    target: float = Field(description="SLO attainment target of the bucket (shared budget).")
+
+
+class RoutingDecision(BaseModel):
+    """Whether a model with `length_routing` is served by length buckets, and why: both plans'
+    cost and verified attainment."""
+
+    model_config = FROZEN
+    model: str
+    routed: bool
+    reason: str
+    one_pool_usd_per_hour: float | None
+    routed_usd_per_hour: float | None
+    one_pool_verified: float | None
+    routed_verified: float | None
+    buckets: list[LengthBucket]
+
+
 class Plan(BaseModel):
     model_config = FROZEN
     format: Literal[1] = 1
@@ -117,7 +147,12 @@ class Plan(BaseModel):
         "the template's throughput; each instance's `throughput` is the template's times this.",
     )
     attainment: list[ModelAttainment] = Field(
-        default_factory=list, description="Per model: SLO attainment target, planned, verified."
+        default_factory=list,
+        description="Per model: SLO attainment target, planned, verified; a routed model has "
+        "a row per length bucket (<model>@b<i>) and one for the whole model.",
+    )
+    routing: list[RoutingDecision] = Field(
+        default_factory=list, description="Length routing, per model that asks for it."
     )
 
     def gpus(self, catalog: Catalog) -> int:
@@ -125,8 +160,13 @@ class Plan(BaseModel):
         return sum(catalog.node(n).gpu_count for i in self.instances for n in i.nodes)
 
     def below_target(self) -> list[ModelAttainment]:
-        """Models whose verified attainment is below their target."""
-        return [a for a in self.attainment if a.short_by > 0]
+        """Models whose verified attainment is below their target (a routed model is judged as
+        a whole: its buckets share its miss budget)."""
+        return [a for a in self.attainment if a.short_by > 0 and BUCKET_SEP not in a.model]
+
+    def buckets(self) -> dict[str, LengthBucket]:
+        """Bucket name -> bucket, for every routed model."""
+        return {b.name: b for d in self.routing if d.routed for b in d.buckets}
 
     def unpaired(self, models: set[str] | None = None) -> list[tuple[str, str, str, list[str]]]:
         """(model, cloud, region, phases) where a disaggregated model runs only prefill or only

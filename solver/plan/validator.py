@@ -13,7 +13,9 @@ It recomputes, from the stack, the catalog and the model cards alone:
 - colocated prefill and decode (`allocation.colocate_phases`) and the budget, for every method;
 - that every template belongs to its model and phase, serves every layer once, and was built
   for the stack's current SLO;
-- that instance keys are unique and follow the stable scheme.
+- that instance keys are unique and follow the stable scheme;
+- length routing: buckets only for models that ask for it, covering every prompt length once,
+  shares adding up to 1 (each bucket is then checked as a model of its own).
 
 Every plan the CLI writes and every plan in the tests passes through `validate_plan`.
 """
@@ -28,10 +30,11 @@ from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
 from solver.plan.demand import capacity_needed, stack_demand
+from solver.plan.length_routing import fleet_for_plan
 from solver.plan.schema import Instance, JobResult, Plan, instance_key, template_ref
 from solver.stack import FleetConfig
 from solver.templates.serving_template import ServingTemplate
-from solver.types import Job
+from solver.types import Job, base_model
 
 TOL = 1e-6
 Slot = tuple[tuple[str, str], str]
@@ -80,7 +83,10 @@ def plan_problems(
     Raises:
         InputError: the stack itself has no usable demand for a model.
     """
-    problems: list[str] = []
+    problems: list[str] = _routing_problems(plan, fleet)
+    if problems:
+        return problems
+    fleet = fleet_for_plan(fleet, plan)  # a routed model's buckets are models of their own
     market = build_market(fleet, catalog)
     tally = _Tally()
     keys: set[str] = set()
@@ -245,6 +251,40 @@ def _job_record_problems(plan: Plan, rec: JobResult, tally: _Tally) -> list[str]
     return out
 
 
+def _routing_problems(plan: Plan, fleet: FleetConfig) -> list[str]:
+    """Length routing: only models that ask for it, buckets that cover every prompt length
+    once (contiguous from 0 to no bound), shares that add up to 1, and no instance of a routed
+    model outside its buckets."""
+    out = []
+    routed = {d.model for d in plan.routing if d.routed}
+    for d in plan.routing:
+        spec = fleet.models.get(d.model)
+        if spec is None or spec.length_routing is None:
+            out.append(f"routing: {d.model} does not ask for length routing in the stack")
+            continue
+        if not d.routed:
+            continue
+        bs = d.buckets
+        edges_ok = (
+            bool(bs)
+            and bs[0].min_prompt_tokens == 0
+            and bs[-1].max_prompt_tokens is None
+            and all(
+                a.max_prompt_tokens == b.min_prompt_tokens for a, b in zip(bs, bs[1:], strict=False)
+            )
+        )
+        if not edges_ok:
+            out.append(f"routing: {d.model}'s buckets do not cover every prompt length once")
+        if abs(sum(b.share for b in bs) - 1) > 1e-3:
+            out.append(f"routing: {d.model}'s bucket shares add up to {sum(b.share for b in bs):g}")
+        if any(base_model(b.name) != d.model for b in bs):
+            out.append(f"routing: {d.model} has a bucket named for another model")
+    for inst in plan.instances:
+        if inst.model in routed:
+            out.append(f"instance {inst.key}: {inst.model} is routed by length, not one pool")
+    return out
+
+
 def _template_problems(
     ref: str, t: ServingTemplate, fleet: FleetConfig, cards: dict[str, ModelCard]
 ) -> list[str]:
@@ -253,8 +293,9 @@ def _template_problems(
     if spec is None:
         return [f"template {ref}: model {t.model} is not in the stack"]
     layers = sum(s.layers for s in t.stages)
-    if t.model in cards and layers != cards[t.model].layers:
-        out.append(f"template {ref}: {layers} layers placed, the model has {cards[t.model].layers}")
+    card = cards.get(base_model(t.model))
+    if card is not None and layers != card.layers:
+        out.append(f"template {ref}: {layers} layers placed, the model has {card.layers}")
     stages = len(t.stages)
     slo = {
         "prefill": [spec.slo_ms.prefill],

@@ -84,6 +84,8 @@ def model_trace(
     Raises:
         InputError: an unknown packaged trace or an unreadable CSV.
     """
+    if spec.length_slice is not None:
+        return _bucket_trace(spec, index, purpose, duration_s, root, scale)
     rate = request_rate(spec) * scale
     if spec.workload_trace is None:
         seed = (PLAN_SEED if purpose == "plan" else VERIFY_SEED) + index
@@ -96,6 +98,33 @@ def model_trace(
             seed=seed,
         )
     return _trace_window(spec, purpose, rate, duration_s, root)
+
+
+def _bucket_trace(
+    spec: ModelSpec,
+    index: int,
+    purpose: Purpose,
+    duration_s: float,
+    root: Path | None,
+    scale: float,
+) -> Trace:
+    """A length bucket's requests: the whole model's stream (at the model's rate and mean
+    lengths) thinned to the prompts inside the bucket, so every request keeps its length,
+    arrival time and burst."""
+    s = spec.length_slice
+    assert s is not None
+    whole = spec.model_copy(
+        update={
+            "mean_prompt_tokens": s.base_prompt_tokens,
+            "mean_output_tokens": s.base_output_tokens,
+            "length_slice": None,
+        }
+    )
+    full = model_trace(whole, index, purpose, duration_s, root, scale / s.share)
+    keep = full.prompt > s.min_prompt_tokens
+    if s.max_prompt_tokens is not None:
+        keep &= full.prompt <= s.max_prompt_tokens
+    return Trace(full.arrival_s[keep], full.prompt[keep], full.output[keep])
 
 
 def _trace_window(
