@@ -33,9 +33,9 @@ from coral_iac.bootstrap import TEMPLATES, template_environment
 from coral_iac.deploy_settings import GatewaySettings
 from coral_iac.infra import EC2_ASSUME_ROLE, GatewayPeer, Infra, slug
 from solver.errors import InputError
-from solver.plan.schema import Instance, Plan, template_ref
+from solver.plan.schema import Instance, LengthBucket, Plan, template_ref
 from solver.stack import FleetConfig
-from solver.types import FROZEN
+from solver.types import BUCKET_SEP, FROZEN, base_model
 
 UpstreamState = Literal["ready", "starting", "draining"]
 STATES: tuple[str, ...] = ("ready", "starting", "draining")
@@ -65,13 +65,23 @@ class Upstream(BaseModel):
     state: UpstreamState
 
 
+class Backend(BaseModel):
+    """The upstreams of one model, or of one of its length buckets: requests whose body is at
+    most `max_body_bytes` long (None: any length) go here."""
+
+    model_config = FROZEN
+    name: str
+    max_body_bytes: int | None
+    upstreams: list[Upstream] = Field(min_length=1)
+
+
 class Route(BaseModel):
-    """One model: its path prefix, its backend and its upstreams."""
+    """One model: its path prefix and its backends (one, or one per length bucket, shortest
+    first: HAProxy takes the first whose Content-Length bound the request meets)."""
 
     model_config = FROZEN
     model: str
-    backend: str
-    upstreams: list[Upstream] = Field(min_length=1)
+    backends: list[Backend] = Field(min_length=1)
 
 
 def gateway_upstreams(
@@ -99,7 +109,7 @@ def gateway_upstreams(
     peak: dict[str, float] = {}
     rows: list[tuple[Instance, float, str, UpstreamState]] = []
     for inst in serving:
-        if not MODEL_NAME.match(inst.model):
+        if not MODEL_NAME.match(base_model(inst.model)):
             raise InputError(
                 f"coral:fleet.models.{inst.model}",
                 "the model name is unsafe in a URL path",
@@ -120,7 +130,7 @@ def gateway_upstreams(
         Upstream(
             key=inst.key,
             model=inst.model,
-            server=slug(inst.key),
+            server=slug(inst.key).replace(BUCKET_SEP, "."),
             address=addresses[inst.key],
             throughput=throughput,
             unit=unit,
@@ -163,22 +173,43 @@ def render_haproxy_config(
     port: int,
     health_check_interval_ms: int,
     api_key: bool = False,
+    buckets: Mapping[str, LengthBucket] | None = None,
 ) -> str:
-    """HAProxy's configuration: one route and backend per model, one server per upstream;
-    with `api_key`, requests without the key in `API_KEY_FILE` get 401.
+    """HAProxy's configuration: one route per model, one backend per model or per length
+    bucket (`buckets`: the plan's, by name; `Plan.buckets()`), one server per upstream; with
+    `api_key`, requests without the key in `API_KEY_FILE` get 401.
 
     Raises:
-        InputError: no upstream at all (nothing to route to).
+        InputError: no upstream at all (nothing to route to), or an upstream of a length
+            bucket the plan does not describe.
     """
     if not upstreams:
         raise InputError(
             "gateway", "the plan has no aggregated or decode instance", "plan some demand"
         )
-    models = sorted({u.model for u in upstreams})
-    routes = [
-        Route(model=m, backend=f"model_{m}", upstreams=[u for u in upstreams if u.model == m])
-        for m in models
-    ]
+    buckets = buckets or {}
+    routes = []
+    for model in sorted({base_model(u.model) for u in upstreams}):
+        names = sorted({u.model for u in upstreams if base_model(u.model) == model})
+        unknown = [n for n in names if n != model and n not in buckets]
+        if unknown:
+            raise InputError(
+                "plan.routing",
+                f"instances of {', '.join(unknown)} but no such length bucket in the plan",
+                "plan again (coral plan) so the plan describes its buckets",
+            )
+        names.sort(key=lambda n: buckets[n].min_prompt_tokens if n in buckets else 0.0)
+        backends = [
+            Backend(
+                name=f"model_{n.replace(BUCKET_SEP, ':')}",
+                max_body_bytes=buckets[n].max_body_bytes if n in buckets else None,
+                upstreams=[u for u in upstreams if u.model == n],
+            )
+            for n in names
+        ]
+        if backends[-1].max_body_bytes is not None:  # the longest bucket has no instance
+            backends[-1] = backends[-1].model_copy(update={"max_body_bytes": None})
+        routes.append(Route(model=model, backends=backends))
     return (
         _environment()
         .get_template("haproxy.cfg.j2")
@@ -372,6 +403,7 @@ class Gateway(pulumi.ComponentResource):
                 port,
                 settings.health_check_interval_ms,
                 api_key=self.args.api_key_secret is not None,
+                buckets=plan.buckets(),
             )
             return parameter_value(config)
 
@@ -393,6 +425,8 @@ class Gateway(pulumi.ComponentResource):
             tags={"coral:stack": self.args.stack, "coral:role": "gateway"},
             opts=self._child,
         )
-        models = sorted({i.model for i in plan.instances if i.phase in ("aggregated", "decode")})
+        models = sorted(
+            {base_model(i.model) for i in plan.instances if i.phase in ("aggregated", "decode")}
+        )
         self.register_outputs({"public_ip": self.public_ip, "url": self.url})
         return {m: pulumi.Output.concat(self.url, f"/{m}/v1") for m in models}
