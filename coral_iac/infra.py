@@ -9,7 +9,8 @@
 - Per (model, region), a security group or firewall rules. Nodes of one model in one region
   reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
   instance must reach its decode router. The API port is open only to `deploy.api_cidrs`, and
-  only where an endpoint runs. Nothing else is open: no SSH.
+  only where an endpoint runs (with `deploy.api_key_secret`, a disaggregated model's port, its
+  vllm-router that checks no key, is open to the gateway alone). Nothing else is open: no SSH.
 - Where an endpoint runs, the stack's gateway (`coral_iac/gateway.py`) reaches the API port: by
   its security group in its own region (private addresses), by its Elastic IP elsewhere.
 """
@@ -171,8 +172,11 @@ class Infra:
         profile = aws.iam.InstanceProfile("node-profile", role=role.name, opts=opts)
         return profile.name
 
-    def aws_group(self, r: Region, model: str, public: bool) -> pulumi.Output[str]:
-        """Security group of one model's nodes in one region (see the module doc)."""
+    def aws_group(
+        self, r: Region, model: str, public: bool, clients: bool = True
+    ) -> pulumi.Output[str]:
+        """Security group of one model's nodes in one region (see the module doc); `clients`
+        false: the API port is open to the gateway only (an endpoint that checks no API key)."""
         if model not in r.groups:
             ingress = [
                 aws.ec2.SecurityGroupIngressArgs(
@@ -183,7 +187,7 @@ class Infra:
                     description="nodes of this model in this region (vLLM, NCCL, NIXL)",
                 )
             ]
-            if public and self.deploy.api_cidrs:
+            if public and clients and self.deploy.api_cidrs:
                 port = self.deploy.api_port
                 ingress.append(
                     aws.ec2.SecurityGroupIngressArgs(
@@ -256,7 +260,7 @@ class Infra:
                 member=account.email.apply(lambda e: f"serviceAccount:{e}"),
                 opts=opts,
             )
-            if self.deploy.api_key_secret:  # aggregated vLLM servers read it at boot
+            if self.deploy.api_key_secret:  # vLLM servers and routers read it at boot
                 gcp.secretmanager.SecretIamMember(
                     "node-read-api-key",
                     secret_id=secret_name("gcp", self.deploy.api_key_secret),
@@ -278,8 +282,9 @@ class Infra:
         )
         return r
 
-    def gcp_tag(self, r: Region, model: str, public: bool) -> str:
-        """Network tag of one model's nodes in one region, with its firewall rules."""
+    def gcp_tag(self, r: Region, model: str, public: bool, clients: bool = True) -> str:
+        """Network tag of one model's nodes in one region, with its firewall rules (`clients`:
+        as in `aws_group`)."""
         tag = f"coral-{self.stack}-{model}"[:63].replace(".", "-").rstrip("-")
         if model not in r.groups:
             opts = pulumi.ResourceOptions(provider=r.provider)
@@ -293,7 +298,7 @@ class Infra:
                 description="nodes of this model (vLLM, NCCL, NIXL)",
                 opts=opts,
             )
-            if public and self.deploy.api_cidrs:
+            if public and clients and self.deploy.api_cidrs:
                 gcp.compute.Firewall(
                     f"fw-{model}-{r.region}-api",
                     network=r.network,

@@ -208,6 +208,7 @@ def declare(
     # Prefill before decode: a decode node's router needs the prefill heads' addresses.
     order = sorted(plan.instances, key=lambda i: (i.phase == "decode", i.key))
     gateway = _gateway(fleet, deploy, stack, infra)  # before any group: endpoint groups admit it
+    _check_router_key(plan, deploy, gateway is not None)
     for inst in order:
         ref = template_ref(inst.model, inst.phase, inst.template)
         template = plan.templates[ref]
@@ -242,10 +243,12 @@ def declare(
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
+        # vllm-router checks no API key: with one set, only the gateway reaches a P/D endpoint.
+        clients = not (deploy.api_key_secret and spec.serving == "disaggregated")
         group = (
-            infra.aws_group(region, inst.model, public=_has_endpoint(plan, inst))
+            infra.aws_group(region, inst.model, _has_endpoint(plan, inst), clients)
             if inst.cloud == "aws"
-            else infra.gcp_tag(region, inst.model, public=_has_endpoint(plan, inst))
+            else infra.gcp_tag(region, inst.model, _has_endpoint(plan, inst), clients)
         )
         offers = [_offer(perf, inst, n) for n in template.nodes]
         router_ips = (
@@ -289,6 +292,20 @@ def declare(
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
+
+
+def _check_router_key(plan: Plan, deploy: DeploySettings, has_gateway: bool) -> None:
+    """With `deploy.api_key_secret`, a disaggregated model's endpoint is its decode node's
+    vllm-router, which cannot require the key (docs/gateway.md, "API key"): only the gateway
+    may reach it, so such a plan needs the gateway."""
+    routed = sorted({i.model for i in plan.instances if i.phase == "decode"})
+    if deploy.api_key_secret and routed and not has_gateway:
+        raise pulumi.RunError(
+            "coral:fleet.deploy.api_key_secret: "
+            f"{', '.join(routed)} serve disaggregated behind vllm-router, which cannot require "
+            "the key, and the stack has no gateway to check it. Enable coral:fleet.deploy."
+            "gateway (with an aws region), or set the models' serving: aggregated"
+        )
 
 
 def _gateway_states(plan: Plan, states: Mapping[str, str]) -> dict[str, str]:

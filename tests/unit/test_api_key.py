@@ -1,6 +1,7 @@
-"""`deploy.api_key_secret` (#18 item 6): the gateway (HAProxy) and aggregated vLLM servers
-require the API key, read from the secret manager at boot, never carried in user-data or in the
-gateway's SSM parameter."""
+"""`deploy.api_key_secret` (#18 item 6): the gateway (HAProxy) and every vLLM server (aggregated,
+prefill, decode) require the API key, read from the secret manager at boot, never carried in
+user-data or in the gateway's SSM parameter; a P/D pair's vllm-router, which cannot require it,
+forwards it and is reachable from the gateway only."""
 
 from __future__ import annotations
 
@@ -8,14 +9,19 @@ import base64
 import gzip
 import http.client
 import json
+import os
+import re
 import shutil
 import subprocess
 import threading
+import time
 from pathlib import Path
 
+import pulumi
 import pytest
 import yaml
 
+from coral_iac.bootstrap import render_user_data
 from coral_iac.gateway import (
     API_KEY_FILE,
     gateway_upstreams,
@@ -89,9 +95,25 @@ def test_without_a_key_nothing_changes(tmp_path, preview):
     ]
 
 
-def test_disaggregated_nodes_get_no_vllm_key(tmp_path, preview):
-    """vllm-router's handling of a key is not verified here: P/D nodes do not require one (the
-    gateway still does), rather than risk the router's calls to them failing."""
+def _start_script(user_data: str) -> str:
+    doc = yaml.safe_load(user_data)
+    (script,) = [f["content"] for f in doc["write_files"] if f["path"].endswith("node-start")]
+    return str(script)
+
+
+def _api_rules(result, model: str) -> list[dict]:
+    """Ingress rules on the API port of a model's endpoint security group."""
+    (group,) = [
+        r
+        for r in result.of_type("aws:ec2/securityGroup:SecurityGroup")
+        if r.inputs.get("tags", {}).get("coral:model") == model
+    ]
+    return [rule for rule in group.inputs["ingress"] if rule.get("fromPort") == 8000]
+
+
+def test_disaggregated_nodes_require_and_forward_the_key(tmp_path, preview):
+    """Prefill and decode vLLM servers require the key; the decode node's vllm-router gets it as
+    OPENAI_API_KEY (the Bearer token it sends them); its port is open to the gateway only."""
     result = preview("keyed", keyed_stack(tmp_path, "disaggregated"))
     nodes = [
         r
@@ -99,7 +121,173 @@ def test_disaggregated_nodes_get_no_vllm_key(tmp_path, preview):
         if "coral:replica" in r.inputs["tags"]
     ]
     assert {r.inputs["tags"]["coral:phase"] for r in nodes} == {"prefill", "decode"}
-    assert all("VLLM_API_KEY" not in r.inputs["userData"] for r in nodes)
+    for node in nodes:
+        text = node.inputs["userData"]
+        script = _start_script(text)
+        assert f"CORAL_API_KEY_SECRET={SECRET}\n" in text
+        assert 'VLLM_API_KEY="$(api_key)"' in script and "export VLLM_API_KEY" in script
+        routed = node.inputs["tags"]["coral:phase"] == "decode" and "vllm-router " in script
+        assert ('OPENAI_API_KEY="${VLLM_API_KEY}"' in script) == routed
+    assert any(
+        "vllm-router " in _start_script(r.inputs["userData"])
+        for r in nodes
+        if r.inputs["tags"]["coral:phase"] == "decode"
+    )
+    (rule,) = _api_rules(result, "phi-4")  # no api_cidrs rule: vllm-router checks no key
+    assert rule["description"] == "Coral gateway" and not rule.get("cidrBlocks")
+    aggregated = preview("keyed", keyed_stack(tmp_path))
+    assert {r["description"] for r in _api_rules(aggregated, "phi-4")} == {
+        "OpenAI-compatible API",  # vLLM itself checks the key there
+        "Coral gateway",
+    }
+
+
+def test_a_keyed_disaggregated_stack_without_a_gateway_is_refused(tmp_path, preview):
+    stacks = keyed_stack(tmp_path, "disaggregated")
+    path = stacks / "Pulumi.keyed.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["config"]["coral:fleet"]["deploy"]["gateway"] = {"enabled": False}
+    path.write_text(yaml.safe_dump(doc))
+    with pytest.raises(pulumi.RunError, match="api_key_secret: phi-4 .* cannot require the key"):
+        preview("keyed", stacks)
+    doc["config"]["coral:fleet"]["models"]["phi-4"]["serving"] = "aggregated"
+    path.write_text(yaml.safe_dump(doc))
+    assert preview("keyed", stacks).of_type("aws:ec2/instance:Instance")
+
+
+VLLM_PYTHON = REPO / ".vllm-venv" / "bin" / "python"
+ROUTER = REPO / ".vllm-venv" / "bin" / "vllm-router"
+
+
+def _wait_http(port: int, proc: subprocess.Popen, what: str, timeout: float = 90) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{what} exited at start"
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+            conn.request("GET", "/health")
+            conn.getresponse().read()
+            conn.close()
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise AssertionError(f"{what} did not answer /health within {timeout} s")
+
+
+def _call(port: int, path: str, key: str | None, body: dict | None = None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request("POST" if body else "GET", path, json.dumps(body) if body else None, headers)
+    response = conn.getresponse()
+    response.read()
+    conn.close()
+    return response.status
+
+
+def _log(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_router_forwards_the_key_to_vllms_own_check(tmp_path):
+    """The pinned vllm-router in front of a prefill and a decode server guarded by vLLM 0.33.0's
+    own middleware, each started as the rendered start script starts it (the key in the
+    environment variable the script sets, the rendered argv): completions and chat through the
+    router reach both with the key, a server refuses a call without it, a router holding the
+    wrong key gets no answer, and the router itself serves a client that sends no key (why
+    only the gateway may reach it)."""
+    from coral_iac.bootstrap import VLLM_ROUTER_VERSION, RouterSpec, router_argv, vllm_argv
+    from tests.unit.test_bootstrap import cases
+
+    assert VLLM_PYTHON.exists() and ROUTER.exists(), "scripts/vllm_env creates .vllm-venv"
+    version = subprocess.run(
+        [str(VLLM_PYTHON), "-c", "import importlib.metadata as m; print(m.version('vllm-router'))"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
+    assert version == VLLM_ROUTER_VERSION  # the router the nodes install
+    key = "s3cret-key"
+    prefill, decode = cases()["disaggregated-prefill"][0], cases()["disaggregated-decode"][0]
+    keyed = {"api_key_secret": SECRET}
+    script = _start_script(render_user_data(decode.model_copy(update=keyed), ""))
+    (router_env,) = re.findall(r'(\w+)="\$\{VLLM_API_KEY\}" \\\n\s*\S+/vllm-router ', script)
+    worker_env = re.findall(r"^export (VLLM_API_KEY)$", script, re.M)
+    assert worker_env == ["VLLM_API_KEY"]
+    env = os.environ | {"VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    ports = {name: _free_port() for name in ("prefill", "decode", "router", "wrong")}
+    logs = {name: tmp_path / f"{name}.log" for name in ("prefill", "decode")}
+    procs: list[subprocess.Popen] = []
+    out = (tmp_path / "processes.log").open("w")
+    try:
+        for name, boot in (("prefill", prefill), ("decode", decode)):
+            argv = vllm_argv(boot, boot.processes[0], "")
+            argv[argv.index("--port") + 1] = str(ports[name])
+            procs.append(
+                subprocess.Popen(
+                    [str(VLLM_PYTHON), str(REPO / "tests" / "vllm_pd_worker.py"),
+                     str(ports[name]), str(logs[name]), json.dumps(argv)],
+                    env=env | {"VLLM_API_KEY": key}, stdout=out, stderr=out,
+                )
+            )  # fmt: skip
+        for name, proc in zip(("prefill", "decode"), procs, strict=True):
+            _wait_http(ports[name], proc, name)
+        spec = RouterSpec(
+            prefill_urls=[f"http://127.0.0.1:{ports['prefill']}"],
+            decode_urls=[f"http://127.0.0.1:{ports['decode']}"],
+        )
+        for name, held in (("router", key), ("wrong", "nope")):
+            argv = router_argv(spec, ports[name]) + ["--prefill", spec.prefill_urls[0]]
+            argv[argv.index("--host") + 1] = "127.0.0.1"
+            argv += ["--prometheus-port", str(_free_port())]
+            procs.append(
+                subprocess.Popen(
+                    [str(ROUTER), *argv], env=env | {router_env: held}, stdout=out, stderr=out
+                )
+            )
+        _wait_http(ports["router"], procs[2], "vllm-router")
+        _wait_http(ports["wrong"], procs[3], "vllm-router (wrong key)")
+
+        direct = {
+            "no key": _call(ports["decode"], "/v1/models", None),
+            "wrong key": _call(ports["decode"], "/v1/models", "nope"),
+            "key": _call(ports["decode"], "/v1/models", key),
+            "health": _call(ports["prefill"], "/health", None),
+            "metrics": _call(ports["prefill"], "/metrics", None),  # the drain script reads it
+        }
+        completion = {"model": "qwen3-32b", "prompt": "hi", "max_tokens": 4}
+        chat = {"model": "qwen3-32b", "messages": [{"role": "user", "content": "hi"}]}
+        before = {name: len(_log(path)) for name, path in logs.items()}
+        routed = {
+            "completion": _call(ports["router"], "/v1/completions", None, completion),
+            "chat": _call(ports["router"], "/v1/chat/completions", "anything", chat),
+        }
+        seen = {name: _log(path)[before[name] :] for name, path in logs.items()}
+        models = {  # passed on with the client's own header
+            "no key": _call(ports["router"], "/v1/models", None),
+            "key": _call(ports["router"], "/v1/models", key),
+        }
+        wrong = _call(ports["wrong"], "/v1/completions", key, completion)
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        out.close()
+    assert direct == {"no key": 401, "wrong key": 401, "key": 200, "health": 200, "metrics": 200}
+    assert routed == {"completion": 200, "chat": 200}  # no client key needed at the router
+    for name in ("prefill", "decode"):
+        posts = [e for e in seen[name] if e["method"] == "POST"]
+        assert [e["path"] for e in posts] == ["/v1/completions", "/v1/chat/completions"], name
+        assert {e["auth"] for e in posts} == {f"Bearer {key}"}, name
+    assert wrong != 200  # the servers, not the router, refuse a wrong key
+    assert models == {"no key": 401, "key": 200}  # docs/gateway.md, "API key"
 
 
 @pytest.mark.skipif(shutil.which("shellcheck") is None, reason="shellcheck not installed")

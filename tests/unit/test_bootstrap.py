@@ -35,6 +35,7 @@ from tests.vllm_cli import check_replica
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
 CARDS = load_model_cards()
 HEAD_IP = "10.0.7.21"
+API_KEY_SECRET = "coral/api-key"
 LAYERS = {"phi-4": 40, "qwen3-32b": 64, "llama3.1-70b": 80}
 HF = {
     "phi-4": "microsoft/phi-4",
@@ -73,7 +74,13 @@ def engine_for(model: str, pair: bool, bf16=(True,), seqs=256, tokens=8192) -> E
 
 
 def boots_for(
-    t: ServingTemplate, disaggregated: bool, cloud="aws", region="us-east-2", api_port=8000, **kw
+    t: ServingTemplate,
+    disaggregated: bool,
+    cloud="aws",
+    region="us-east-2",
+    api_port=8000,
+    api_key_secret=None,
+    **kw,
 ) -> list[NodeBoot]:
     return node_boots(
         template=t,
@@ -87,6 +94,7 @@ def boots_for(
         engine=engine_for(t.model, disaggregated, **kw),
         api_port=api_port,
         hf_token_secret="coral/hf-token",
+        api_key_secret=api_key_secret,
     )
 
 
@@ -121,6 +129,17 @@ def cases() -> dict[str, list[NodeBoot]]:
         "uniform-tp-multi-node": boots_for(uniform, False, cloud="gcp", region="us-central1"),
         "disaggregated-prefill": boots_for(prefill, True, seqs=96, tokens=8192),
         "disaggregated-decode": pd_decode,
+        # deploy.api_key_secret: every vLLM server requires the key, the router forwards it
+        "api-key-disaggregated-prefill": boots_for(
+            prefill, True, seqs=96, tokens=8192, api_key_secret=API_KEY_SECRET
+        ),
+        "api-key-disaggregated-decode": [
+            b.model_copy(update={"router": router})
+            for b in boots_for(decode, True, seqs=96, tokens=8192, api_key_secret=API_KEY_SECRET)
+        ],
+        "api-key-uniform-tp-multi-node": boots_for(
+            uniform, False, cloud="gcp", region="us-central1", api_key_secret=API_KEY_SECRET
+        ),
     }
 
 
@@ -288,7 +307,7 @@ def test_a_v100_instance_is_refused_with_the_wheels_cuda_reason(perf):
         usd_per_hour=3.06,
         throughput=1.0,
     )
-    with pytest.raises(InputError, match="(?s)no sm_70 kernels.*remove v100 node configs"):
+    with pytest.raises(InputError, match="(?s)no kernels for v100.*sm_70.*remove v100x1"):
         precision_group_bf16(None, inst, perf.catalog)
     ok = inst.model_copy(update={"nodes": ["t4x1"]})
     assert precision_group_bf16(None, ok, perf.catalog) == [False]
