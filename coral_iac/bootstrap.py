@@ -31,7 +31,8 @@ from jinja2 import Environment, FileSystemLoader, StrictUndefined
 from pydantic import BaseModel, Field, model_validator
 
 from solver.catalog.model_cards import ModelCard
-from solver.catalog.offers import Catalog, split_node_id
+from solver.catalog.offers import Catalog
+from solver.catalog.vllm_support import unsupported_gpus
 from solver.errors import InputError
 from solver.plan.schema import Instance, Plan
 from solver.templates.serving_template import ServingTemplate
@@ -163,28 +164,22 @@ def instance_engine(
     )
 
 
-# GPUs the pinned wheel cannot run: its kernels link libcudart.so.13 and carry sm_75..sm_120 code
-# only (strings of vllm/_C_stable_libtorch.abi3.so in vllm-0.33.0-cp38-abi3-manylinux_2_28_x86_64
-# .whl, read 2026-12-01); CUDA 13 removed Volta (sm_70) support (CUDA 13.0 release notes).
-UNSUPPORTED_GPUS = {"v100": "Volta (sm_70): vLLM 0.33.0's CUDA 13 build has no sm_70 kernels"}
-
-
 def precision_group_bf16(plan: Plan, inst: Instance, catalog: Catalog) -> list[bool]:
     """bf16 support of every GPU that must share `inst`'s dtype: its own nodes' GPUs, or for a
     prefill/decode instance every prefill and decode instance of its model in the plan (a
     router may pair any of them).
 
     Raises:
-        InputError: the instance uses a GPU the pinned vLLM build cannot run (V100).
+        InputError: the instance uses a GPU the pinned vLLM build cannot run (V100; `coral
+            plan` refuses such a stack first, solver/catalog/vllm_support.py).
     """
-    for node in inst.nodes:
-        gpu = split_node_id(node)[0]
-        if gpu in UNSUPPORTED_GPUS:
-            raise InputError(
-                f"plan instance {inst.key}",
-                f"node config {node}: {UNSUPPORTED_GPUS[gpu]}",
-                f"remove {gpu} node configs from coral:fleet.node_configs",
-            )
+    refused = unsupported_gpus(inst.nodes)
+    if refused:
+        raise InputError(
+            f"plan instance {inst.key}",
+            "; ".join(f"node config {node}: {why}" for node, why in refused.items()),
+            f"remove {', '.join(refused)} from coral:fleet.node_configs and plan again",
+        )
     group = (
         [inst]
         if inst.phase == "aggregated"

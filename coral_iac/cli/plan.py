@@ -133,6 +133,7 @@ def make_plan(
     """
     from coral_iac.cli.deploy import check_plan_stack
     from coral_iac.demand_sources import resolve_demand
+    from solver.catalog.vllm_support import check_deployable_gpus
     from solver.performance.default_model import load_perf_model
     from solver.plan.planner import plan_with_library
 
@@ -143,6 +144,9 @@ def make_plan(
         stacks_dir(),
         warn=warn,
     )
+    # A deployable stack naming a GPU the pinned vLLM build cannot run is refused before any
+    # library is built (solver/data/vllm_build.yaml: V100, sm_70).
+    check_deployable_gpus(fleet.node_configs, fleet.library.mode, stack)
     if add_only:
         allocation = fleet.allocation.model_copy(update={"add_only": True})
         fleet = fleet.model_copy(update={"allocation": allocation})
