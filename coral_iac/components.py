@@ -9,7 +9,6 @@ Output. Logical names come from the stable replica key, so an unchanged replica 
 from __future__ import annotations
 
 import hashlib
-import math
 from dataclasses import dataclass
 from typing import cast
 
@@ -19,6 +18,7 @@ import pulumi_gcp as gcp
 
 from coral_iac.bootstrap import NodeBoot, Ports, RouterSpec, render_user_data
 from coral_iac.infra import Identity, Region, slug
+from coral_iac.model_files import root_disk_gb
 from solver.catalog.offers import Offer
 
 
@@ -36,7 +36,7 @@ class ServingInstanceArgs:
     region: Region
     identity: Identity
     group: pulumi.Input[str]  # AWS security group id, or GCP network tag
-    weights_gb: float
+    weights_gb: float  # the card's weights (the disk's estimate where no file size is sourced)
     disk_headroom_gb: int
     router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
 
@@ -52,7 +52,10 @@ class ServingInstance(pulumi.ComponentResource):
     ) -> None:
         super().__init__("coral:fleet:ServingInstance", name, None, opts)
         child = pulumi.ResourceOptions(parent=self, provider=args.region.provider)
-        disk_gb = int(math.ceil(args.weights_gb * 1.1)) + args.disk_headroom_gb
+        # The files `hf download` fetches (coral_iac/data/model_files.yaml), the venv, headroom.
+        disk_gb = root_disk_gb(
+            args.model, args.boots[0].hf_repo, args.weights_gb * 1e9, args.disk_headroom_gb
+        )
         order = sorted(range(len(args.boots)), key=lambda k: not args.boots[k].is_head)
         head_ip: pulumi.Output[str] | None = None
         for k in order:  # head first: the others need its private IP
