@@ -1,36 +1,56 @@
-"""The paper's evaluation setup beside ours (#19): a first table, at equal SLO attainment.
+"""The paper's evaluation beside ours (#19 item 4): one table, three columns per scenario.
 
-Per stack (default paper-core), two variants, each planned through `coral plan`'s path
-(`plan_with_library`: libraries, `solver.plan.attainment.plan_to_target`, validation), so every
-method is sized for the same SLO attainment targets:
+For every scenario of the paper's Sec. 6 (core and extended: default, scarce, large-heavy,
+small-heavy; Helix), each ratio the paper reports, beside two measurements of ours:
 
-- paper: the stack in paper mode (`solver.templates.paper_mode`) on the paper market
-  (`solver.catalog.paper_market`, Table 1 prices), with the paper's baselines homo-paper and
+- paper setup: the stack in paper mode (`solver.templates.paper_mode`) on the paper market
+  (`solver.catalog.paper_market`, Table 1 prices), against the paper's baselines homo-paper and
   cauchy-paper (`solver.allocation.paper_baselines`);
-- ours: the stack as committed (its mode and the real catalog), with today's homo and cauchy.
+- ours: the stack as committed (its mode, the real catalog), against today's homo and cauchy.
 
-Printed per row: $/hour, GPUs, served fraction, the lowest verified attainment over the models
-(with its target) and the models below target, the method's cost over Coral's (the paper's ratio
-when everyone serves all demand) and Coral's served fraction over the method's (its goodput
-ratio when scarce). Libraries are cached under .coral/paper_eval/.
+Every method is planned through `coral plan`'s path (`plan_with_library`'s steps: libraries,
+`solver.plan.attainment.plan_to_target`, validation), so each meets the same SLO attainment
+targets. Ratios: method $/h over Coral's (the paper's "Coral is Nx cheaper") and, where demand is
+not all served, Coral's goodput over the method's (goodput = served fraction x output tokens/s x
+verified attainment, per model). Each ratio twice: with whole instances (the plans) and without
+(`relaxed_cost`: the LP relaxation of the allocation ILP for coral and cauchy, the greedy's own
+templates at fractional counts for homo, homo-paper and cauchy-paper).
 
-Run: .venv/bin/python scripts/paper_eval.py --stack paper-core [--workers 2]
+The core large-heavy and small-heavy scenarios have no committed stack: they are paper-core with
+its 30 requests/s split 80% to qwen3-32b (phi-4) and 10% to each other model, the rule of
+`scripts/make_scenario_stacks.py`. paper-helix's paper variant keeps its AWS prices (Table 1 has
+no V100, T4 or A100-40GB; the paper used AWS us-east-2 prices there).
+
+Libraries are shared by the scenarios of one setup (their inputs do not depend on demand or
+pools) and cached under .coral/paper_eval/<setup>__<variant>/.
+
+Run: scripts/paper_eval [--scenario core/default ...] [--workers 2] [--out docs/bench/paper]
 """
 
 from __future__ import annotations
 
+import json
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
-from rich.console import Console
-from rich.table import Table
+from ortools.linear_solver import pywraplp
 
+from solver.allocation.baselines import cauchy_columns
+from solver.allocation.problem import make_columns
+from solver.catalog.market import Market, build_market
 from solver.performance.default_model import load_perf_model
-from solver.plan.planner import plan_with_library
-from solver.plan.schema import Method, Plan
+from solver.performance.perf_model import PerfModel
+from solver.plan.attainment import plan_to_target
+from solver.plan.demand import capacity_needed, stack_demand
+from solver.plan.planner import _at_capacity, libraries_for, plan_stack
+from solver.plan.schema import Method, Plan, template_ref
+from solver.plan.validator import validate_plan
 from solver.stack import FleetConfig, load_stack
+from solver.templates.library import Library
+from solver.types import Job
 
 ROOT = Path(__file__).resolve().parents[1]
 CACHE = ROOT / ".coral" / "paper_eval"
@@ -38,90 +58,592 @@ VARIANTS: dict[str, tuple[Method, ...]] = {
     "paper": ("coral", "homo-paper", "cauchy-paper"),
     "ours": ("coral", "homo", "cauchy"),
 }
-PAPER_RATIOS = {  # paper Sec. 6: Homo / Coral and Cauchy / Coral
-    "paper-core": "1.62x / 1.60x",
-    "paper-extended": "3.14x / 2.66x",
-    "paper-extended-large-heavy": "- / 2.79x goodput",
-    "paper-core-scarce": "- / 2.39x goodput",
-}
+BASELINES = {"paper": ("homo-paper", "cauchy-paper"), "ours": ("homo", "cauchy")}
+GPU_RANGE = {"core": "20-40", "extended": "100-300", "helix": "64 (Helix's cluster)"}
 
 
-def paper_variant(fleet: FleetConfig) -> FleetConfig:
-    """The stack in the paper's template space, on the paper's market."""
+@dataclass(frozen=True)
+class Scenario:
+    """One row group of the table: a stack (or a derived one) and the paper's ratios.
+
+    `paper`: per baseline ("homo", "cauchy"; "helix" for Sec. 6.6), the paper's
+    {"cost": method $ / Coral $, "goodput": Coral goodput / method goodput, "text": as stated}.
+    """
+
+    key: str
+    setup: str
+    stack: str
+    heavy: tuple[str, ...] = ()
+    paper: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+
+def _r(cost: float | None = None, goodput: float | None = None, text: str = "") -> dict[str, Any]:
+    return {"cost": cost, "goodput": goodput, "text": text}
+
+
+SCENARIOS = [
+    Scenario(
+        "core/default",
+        "core",
+        "paper-core",
+        paper={"homo": _r(1.62, None, "1.62x cheaper"), "cauchy": _r(1.60, None, "1.60x cheaper")},
+    ),
+    Scenario(
+        "core/scarce",
+        "core",
+        "paper-core-scarce",
+        paper={
+            "homo": _r(1.0, 1.24, "same cost, 1.24x goodput"),
+            "cauchy": _r(1.51, 1.0, "1.51x cheaper, about the same goodput"),
+        },
+    ),
+    Scenario(
+        "core/large-heavy",
+        "core",
+        "paper-core",
+        heavy=("qwen3-32b",),
+        paper={"homo": _r(1.82, None, "1.82x cheaper"), "cauchy": _r(1.78, None, "1.78x cheaper")},
+    ),
+    Scenario(
+        "core/small-heavy",
+        "core",
+        "paper-core",
+        heavy=("phi-4",),
+        paper={"homo": _r(1.1, None, "about 10% cheaper"), "cauchy": _r(1.1, None, "about 10%")},
+    ),
+    Scenario(
+        "extended/default",
+        "extended",
+        "paper-extended",
+        paper={"homo": _r(3.14, None, "3.14x cheaper"), "cauchy": _r(2.66, None, "2.66x cheaper")},
+    ),
+    Scenario(
+        "extended/scarce",
+        "extended",
+        "paper-extended-scarce",
+        paper={
+            "homo": _r(1 / 1.52, 7.64, "1.52x dearer, 7.64x goodput"),
+            "cauchy": _r(1.25, 2.39, "1.25x cheaper, 2.39x goodput"),
+        },
+    ),
+    Scenario(
+        "extended/large-heavy",
+        "extended",
+        "paper-extended-large-heavy",
+        paper={"homo": _r(2.79, None, "2.79x cheaper"), "cauchy": _r(3.47, None, "3.47x cheaper")},
+    ),
+    Scenario(
+        "extended/small-heavy",
+        "extended",
+        "paper-extended-small-heavy",
+        paper={"homo": _r(2.34, None, "2.34x cheaper"), "cauchy": _r(1.64, None, "1.64x cheaper")},
+    ),
+    Scenario(
+        "helix",
+        "helix",
+        "paper-helix",
+        paper={"helix": _r(1 / 0.79, 1.26, "21% cheaper, 26% more throughput than Helix")},
+    ),
+]
+
+
+# ---------------------------------------------------------------- stacks
+
+
+def paper_variant(fleet: FleetConfig, keep_market: bool = False) -> FleetConfig:
+    """The stack in the paper's template space, on the paper's market (unless `keep_market`)."""
     library = fleet.library.model_copy(update={"mode": "paper"})
+    if keep_market:
+        return fleet.model_copy(update={"library": library})
     market = fleet.market.model_copy(update={"kind": "paper"})
     return fleet.model_copy(update={"library": library, "market": market})
 
 
-def lowest_attainment(plan: Plan) -> str:
-    """The lowest verified attainment over the models, with that model's target."""
-    found = [a for a in plan.attainment if a.verified is not None]
-    if not found:
+def heavy_variant(fleet: FleetConfig, heavy: tuple[str, ...]) -> FleetConfig:
+    """The same total requests/s, 80% split equally over `heavy`, 20% over the other models."""
+    rates = {m: s.demand.requests_per_s or 0.0 for m, s in fleet.models.items()}
+    total, light = sum(rates.values()), [m for m in fleet.models if m not in heavy]
+    models = {}
+    for m, spec in fleet.models.items():
+        share = 0.8 / len(heavy) if m in heavy else 0.2 / len(light)
+        demand = spec.demand.model_copy(update={"requests_per_s": round(total * share, 4)})
+        models[m] = spec.model_copy(update={"demand": demand})
+    return fleet.model_copy(update={"models": models})
+
+
+def scenario_fleet(sc: Scenario, variant: str, stacks: Path) -> FleetConfig:
+    fleet = load_stack(stacks, sc.stack)
+    if sc.heavy:
+        fleet = heavy_variant(fleet, sc.heavy)
+    if variant == "paper":
+        fleet = paper_variant(fleet, keep_market=sc.setup == "helix")
+    return fleet
+
+
+# ---------------------------------------------------------------- planning
+
+
+@dataclass
+class Planned:
+    plan: Plan
+    factors: dict[str, float]  # the capacity factors the returned plan was solved with
+    libs: dict[Job, Library]
+    seconds: float
+
+
+def plan_recorded(
+    name: str,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    directory: Path,
+    method: Method,
+    workers: int,
+    root: Path = ROOT,
+) -> Planned:
+    """`plan_with_library`'s steps (libraries, closed loop and verification, validation), also
+    returning the capacity factors of the round the loop kept, for the LP relaxation."""
+    t0 = time.perf_counter()
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet)), directory, True, workers, stack=name, force=True
+    )
+    rounds: list[tuple[Plan, dict[str, float]]] = []
+
+    def solve(factors: dict[str, float]) -> Plan:
+        plan = plan_stack(name, fleet, perf.catalog, libs, None, method, factors)
+        rounds.append((plan, factors))
+        return plan
+
+    plan = plan_to_target(fleet, perf, libs, solve, root, None, cache=directory)
+    factors = next(
+        (
+            f
+            for p, f in reversed(rounds)
+            if p.instances == plan.instances and p.capacity_factors == plan.capacity_factors
+        ),
+        rounds[-1][1],
+    )
+    library = {
+        template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
+    }
+    plan = validate_plan(plan, fleet, perf.catalog, perf.cards, library)
+    return Planned(plan, factors, libs, time.perf_counter() - t0)
+
+
+# ---------------------------------------------------------------- granularity
+
+
+def fractional_cost(plan: Plan, fleet: FleetConfig) -> float:
+    """The plan's own templates at fractional instance counts: each (model, phase)'s $/hour
+    times the capacity it needs (served fraction x demand / target utilization) over the
+    capacity it bought. Never above the plan's cost."""
+    u = fleet.allocation.target_utilization
+    total = 0.0
+    for j in plan.jobs:
+        need = plan.served_fraction * j.demand / u
+        total += j.usd_per_hour * (min(1.0, need / j.throughput) if j.throughput > 0 else 0.0)
+    return total
+
+
+def lp_relaxation(
+    fleet: FleetConfig,
+    market: Market,
+    templates: dict[Job, list[Any]],
+    fraction: float,
+    cauchy: bool = False,
+) -> float | None:
+    """The allocation ILP's LP relaxation: continuous instance counts over the same columns
+    (templates at their capacity factors, every region selling their nodes), the same
+    availability per (region, node config) and GPU pools, demand x `fraction` (the plan's served
+    fraction) / target utilization. Startup penalty, budget and colocation are left out (none
+    binds in the paper stacks: no previous plan, no budget, colocate_phases false or one region).
+    None: the LP is infeasible."""
+    demand = stack_demand(fleet)
+    needed = capacity_needed(fleet, demand)
+    columns = make_columns(templates, market, demand)
+    if cauchy:
+        columns = cauchy_columns(columns)
+    solver = pywraplp.Solver.CreateSolver("GLOP")
+    x = [solver.NumVar(0.0, solver.infinity(), f"x{i}") for i in range(len(columns))]
+    for job, need in needed.items():
+        if need <= 0:
+            continue
+        ct = solver.Constraint(need * fraction, solver.infinity())
+        for i, c in enumerate(columns):
+            if c.job == job:
+                ct.SetCoefficient(x[i], c.template.throughput)
+    slots: dict[Any, Any] = {}
+    pools: dict[Any, Any] = {}
+    for i, c in enumerate(columns):
+        for node, n in c.usage:
+            slot = (c.region, node)
+            if slot not in slots:
+                slots[slot] = solver.Constraint(0.0, float(market.available.get(slot, 0)))
+            slots[slot].SetCoefficient(x[i], slots[slot].GetCoefficient(x[i]) + n)
+            gpu, per_node = market.gpu_of[node]
+            if (c.region, gpu) in market.gpu_pools:
+                key = (c.region, gpu)
+                if key not in pools:
+                    pools[key] = solver.Constraint(0.0, float(market.gpu_pools[key]))
+                pools[key].SetCoefficient(x[i], pools[key].GetCoefficient(x[i]) + n * per_node)
+    objective = solver.Objective()
+    for i, c in enumerate(columns):
+        objective.SetCoefficient(x[i], c.price)
+    objective.SetMinimization()
+    if solver.Solve() != pywraplp.Solver.OPTIMAL:
+        return None
+    return float(objective.Value())
+
+
+def relaxed_cost(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -> float:
+    """Cost without whole instances: the LP relaxation for the ILP methods (coral, cauchy), the
+    plan's templates at fractional counts for the greedy ones. Never above the plan's cost."""
+    frac = fractional_cost(p.plan, fleet)
+    if method not in ("coral", "cauchy") or not p.plan.instances:
+        return frac
+    templates = {
+        job: [
+            _at_capacity(t, f)
+            for t in lib.templates
+            if (f := p.factors.get(template_ref(*job, t.key), 0.0)) > 0
+        ]
+        for job, lib in p.libs.items()
+    }
+    market = build_market(fleet, perf.catalog)
+    lp = lp_relaxation(fleet, market, templates, p.plan.served_fraction, method == "cauchy")
+    return min(frac, lp) if lp is not None else frac
+
+
+# ---------------------------------------------------------------- one plan's summary
+
+
+def goodput(plan: Plan, fleet: FleetConfig) -> float:
+    """Output tokens/s that meet the SLOs: served fraction x each model's output tokens/s x its
+    verified (else planned) attainment."""
+    att = {
+        a.model: a.verified if a.verified is not None else (a.planned or 0.0)
+        for a in plan.attainment
+    }
+    total = 0.0
+    for m, spec in fleet.models.items():
+        rps = spec.demand.requests_per_s or 0.0
+        total += plan.served_fraction * rps * spec.mean_output_tokens * att.get(m, 0.0)
+    return total
+
+
+def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -> dict[str, Any]:
+    """What the table and the explanations need from one plan."""
+    plan, cat = p.plan, perf.catalog
+    by_phase: dict[str, float] = {}
+    for i in plan.instances:
+        by_phase[i.phase] = by_phase.get(i.phase, 0.0) + i.usd_per_hour
+    gpus_by_type: dict[str, int] = {}
+    bought: dict[str, dict[str, int]] = {}
+    for i in plan.instances:
+        for n in i.nodes:
+            g = cat.node(n).gpu_id
+            gpus_by_type[g] = gpus_by_type.get(g, 0) + cat.node(n).gpu_count
+        job = bought.setdefault(f"{i.model}/{i.phase}", {})
+        job[i.template] = job.get(i.template, 0) + 1
+    multi = sum(1 for i in plan.instances if len(i.nodes) > 1)
+    mixed = sum(1 for i in plan.instances if len({cat.node(n).gpu_id for n in i.nodes}) > 1)
+    return {
+        "method": method,
+        "usd_per_hour": plan.hourly_cost_usd,
+        "relaxed_usd_per_hour": round(relaxed_cost(p, fleet, perf, method), 4),
+        "fractional_usd_per_hour": round(fractional_cost(plan, fleet), 4),
+        "gpus": plan.gpus(cat),
+        "gpus_by_type": dict(sorted(gpus_by_type.items())),
+        "served_fraction": plan.served_fraction,
+        "goodput_tokens_per_s": round(goodput(plan, fleet), 2),
+        "min_verified": min(
+            (a.verified for a in plan.attainment if a.verified is not None), default=None
+        ),
+        "below_target": [a.model for a in plan.below_target()],
+        "cost_by_phase": {k: round(v, 4) for k, v in sorted(by_phase.items())},
+        "cost_by_model": plan.cost_by_model,
+        "instances": len(plan.instances),
+        "multi_node_instances": multi,
+        "mixed_gpu_instances": mixed,
+        "templates": {
+            k: dict(sorted(v.items(), key=lambda kv: -kv[1])) for k, v in sorted(bought.items())
+        },
+        "plan_seconds": round(p.seconds, 1),
+    }
+
+
+def cluster_cost(fleet: FleetConfig, perf: PerfModel) -> float:
+    """$/hour of every node the stack makes available (Helix rents its whole cluster)."""
+    market = build_market(fleet, perf.catalog)
+    return sum(market.price[s] * n for s, n in market.available.items())
+
+
+# ---------------------------------------------------------------- the table
+
+
+def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | None]:
+    """Method over Coral: cost (integral and relaxed); Coral's goodput over the method's."""
+    c, b = rows["coral"], rows[base]
+
+    def div(a: float | None, d: float | None) -> float | None:
+        return a / d if a is not None and d else None
+
+    return {
+        "cost": div(b["usd_per_hour"], c["usd_per_hour"]),
+        "cost_relaxed": div(b["relaxed_usd_per_hour"], c["relaxed_usd_per_hour"]),
+        "goodput": div(c["goodput_tokens_per_s"], b["goodput_tokens_per_s"]),
+        "served": div(c["served_fraction"], b["served_fraction"]),
+    }
+
+
+def compare(result: dict[str, Any]) -> dict[str, Any]:
+    """Per scenario and baseline: the paper's ratio and ours in both variants."""
+    out: dict[str, Any] = {}
+    for key, sc in result["scenarios"].items():
+        rows = {}
+        for base in ("homo", "cauchy"):
+            rows[base] = {
+                "reported": sc["paper"].get(base),
+                **{
+                    v: ratios(sc["variants"][v]["methods"], BASELINES[v][base == "cauchy"])
+                    for v in sc["variants"]
+                    if BASELINES[v][base == "cauchy"] in sc["variants"][v]["methods"]
+                },
+            }
+        out[key] = rows
+    return out
+
+
+def _x(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}x"
+
+
+def _cell(r: dict[str, float | None] | None, scarce: bool) -> str:
+    """'cost (relaxed)' and, when any method serves less than all demand, '; goodput'."""
+    if not r:
         return "-"
-    low = min(found, key=lambda a: a.verified or 0.0)
-    return f"{100 * (low.verified or 0.0):.1f}% / {100 * low.target:g}%"
+    s = f"{_x(r['cost'])} ({_x(r['cost_relaxed'])})"
+    if scarce:
+        s += f"; goodput {_x(r['goodput'])}"
+    return s
 
 
-def below_target(plan: Plan) -> str:
-    return ", ".join(a.model for a in plan.below_target()) or "none"
+def _paper_cell(p: dict[str, Any] | None) -> str:
+    return p["text"] if p else "-"
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The comparison table, the GPU counts and each scenario's plans, as markdown."""
+    cmp = compare(result)
+    out = [
+        "# The paper's ratios beside ours (#19 item 4)",
+        "",
+        f"Generated by `scripts/paper_eval` ({runs_text(result)}). Every method at the "
+        "same SLO attainment targets (`coral plan`'s closed loop and verification). Cells: "
+        "baseline $/h over Coral's with whole instances (without whole instances in brackets: "
+        "LP relaxation for coral and cauchy, fractional counts of their own templates for the "
+        "greedy baselines); under scarcity also Coral's goodput over the baseline's.",
+        "",
+        "| scenario | vs | paper | ours, paper setup (paper mode, Table 1 market, *-paper "
+        "baselines) | ours, real catalog (committed mode, homo/cauchy) |",
+        "|---|---|---|---|---|",
+    ]
+    for key, rows in cmp.items():
+        sc = result["scenarios"][key]
+        scarce = any(
+            m["served_fraction"] < 0.9999
+            for v in sc["variants"].values()
+            for m in v["methods"].values()
+        )
+        for base, r in rows.items():
+            out.append(
+                f"| {key} | {base} | {_paper_cell(r['reported'])} | "
+                f"{_cell(r.get('paper'), scarce)} | {_cell(r.get('ours'), scarce)} |"
+            )
+        if "helix" in sc["paper"]:
+            out.append(helix_row(sc))
+    out += ["", "## GPUs, cost and service per plan", ""]
+    out.append(
+        "| scenario | variant | method | $/h | relaxed $/h | GPUs (paper: range) | GPUs by type "
+        "| served | goodput tok/s | min verified | below target | decode share | multi-node / "
+        "mixed instances | plan s |"
+    )
+    out.append("|---|---|---|---:|---:|---:|---|---:|---:|---:|---|---:|---:|---:|")
+    for key, sc in result["scenarios"].items():
+        for v, var in sc["variants"].items():
+            for m, row in var["methods"].items():
+                dec = row["cost_by_phase"].get("decode", 0.0)
+                share = dec / row["usd_per_hour"] if row["usd_per_hour"] else 0.0
+                gt = ", ".join(f"{g} {n}" for g, n in row["gpus_by_type"].items())
+                mv = "-" if row["min_verified"] is None else f"{row['min_verified']:.1%}"
+                out.append(
+                    f"| {key} | {v} | {m} | {row['usd_per_hour']:.2f} | "
+                    f"{row['relaxed_usd_per_hour']:.2f} | {row['gpus']} ({GPU_RANGE[sc['setup']]}) "
+                    f"| {gt} | {row['served_fraction']:.1%} | {row['goodput_tokens_per_s']:,.0f} | "
+                    f"{mv} | {', '.join(row['below_target']) or 'none'} | {share:.0%} | "
+                    f"{row['multi_node_instances']} / {row['mixed_gpu_instances']} | "
+                    f"{row['plan_seconds']:.0f} |"
+                )
+    out += ["", "## Templates bought (instances per template, per model and phase)", ""]
+    for key, sc in result["scenarios"].items():
+        out.append(f"### {key}")
+        out.append("")
+        for v, var in sc["variants"].items():
+            for m, row in var["methods"].items():
+                parts = [
+                    f"{job}: " + ", ".join(f"{n} {t}" for t, n in ts.items())
+                    for job, ts in row["templates"].items()
+                ]
+                out.append(f"- {v} {m} ({row['usd_per_hour']:.2f} $/h): " + "; ".join(parts))
+        out.append("")
+    return "\n".join(out) + "\n"
+
+
+def runs_text(result: dict[str, Any]) -> str:
+    """Which runs made the table: commit, date, wall time, workers (and what each planned)."""
+    runs = result.get("runs") or [result]
+    parts = []
+    for r in runs:
+        what = ""
+        if "scenarios" in r and "runs" in result:
+            what = ": " + ", ".join(f"{k} {'+'.join(v)}" for k, v in r["scenarios"].items())
+        parts.append(
+            f"{r['commit']}, {r['date']}, {r['seconds']:.0f} s wall, {r['workers']} workers{what}"
+        )
+    return "; ".join(parts)
+
+
+def helix_row(sc: dict[str, Any]) -> str:
+    """Sec. 6.6: Coral against Helix, which rents the whole cluster."""
+    cells = []
+    for v in ("paper", "ours"):
+        var = sc["variants"].get(v)
+        if not var:
+            cells.append("-")
+            continue
+        c = var["methods"]["coral"]
+        over = var["cluster_usd_per_hour"] / c["usd_per_hour"] if c["usd_per_hour"] else None
+        cells.append(
+            f"cluster $/h over Coral's {_x(over)}"
+            f"; Coral serves {c['served_fraction']:.0%} of 4 req/s, min verified "
+            f"{'-' if c['min_verified'] is None else format(c['min_verified'], '.0%')}"
+        )
+    return f"| helix | Helix | {sc['paper']['helix']['text']} | {cells[0]} | {cells[1]} |"
+
+
+def run_scenario(
+    sc: Scenario,
+    variants: list[str],
+    perf: PerfModel,
+    workers: int,
+    stacks: Path,
+    cache: Path,
+    log: Any = print,
+) -> dict[str, Any]:
+    out: dict[str, Any] = {"setup": sc.setup, "stack": sc.stack, "heavy": list(sc.heavy)}
+    out["paper"] = sc.paper
+    out["variants"] = {}
+    for v in variants:
+        fleet = scenario_fleet(sc, v, stacks)
+        name = sc.stack + ("-" + "-".join(sc.heavy) + "-heavy" if sc.heavy else "")
+        methods = {}
+        for method in VARIANTS[v]:
+            p = plan_recorded(name, fleet, perf, cache / f"{sc.setup}__{v}", method, workers)
+            methods[method] = summarize(p, fleet, perf, method)
+            log(
+                f"{sc.key} {v} {method}: {p.plan.hourly_cost_usd:.2f} $/h, "
+                f"served {p.plan.served_fraction:.1%} ({p.seconds:.0f} s)"
+            )
+        out["variants"][v] = {
+            "mode": fleet.library.mode,
+            "market": fleet.market.kind,
+            "cluster_usd_per_hour": round(cluster_cost(fleet, perf), 4)
+            if sc.setup == "helix"
+            else None,
+            "methods": methods,
+        }
+    return out
 
 
 def main(
-    stack: Annotated[list[str] | None, typer.Option(help="Stacks (repeatable).")] = None,
-    workers: Annotated[int, typer.Option(help="Library build processes.")] = 1,
+    scenario: Annotated[list[str] | None, typer.Option(help="Scenario keys (repeatable).")] = None,
+    workers: Annotated[int, typer.Option(help="Library build processes.")] = 2,
     variant: Annotated[list[str] | None, typer.Option(help="paper and/or ours.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Write table.md and table.json here.")] = None,
+    combine: Annotated[
+        list[Path] | None,
+        typer.Option(help="Render from earlier runs' table.json files (merged) instead."),
+    ] = None,
 ) -> None:
-    """Plan each stack's variants with their methods and print the table."""
-    perf, console = load_perf_model(), Console(width=140)
-    table = Table(title="Paper setup vs ours, at equal SLO attainment (#19)")
-    for col in (
-        "stack",
-        "variant",
-        "method",
-        "$/hour",
-        "GPUs",
-        "served",
-        "min attain. / target",
-        "below",
-        "cost/Coral",
-        "Coral served/",
-    ):
-        table.add_column(col, justify="left" if col in ("stack", "variant", "method") else "right")
-    for name in stack or ["paper-core"]:
-        base = load_stack(ROOT / "stacks", name)
-        for v in variant or list(VARIANTS):
-            fleet = paper_variant(base) if v == "paper" else base
-            coral_cost, coral_served = None, 0.0
-            for method in VARIANTS[v]:
-                t0 = time.perf_counter()
-                plan = plan_with_library(
-                    name,
-                    fleet,
-                    perf,
-                    CACHE / f"{name}__{v}",
-                    method=method,
-                    workers=workers,
-                    root=ROOT,
-                )
-                took = time.perf_counter() - t0
-                console.print(f"{name} {v} {method}: {plan.hourly_cost_usd:.2f} $/h ({took:.0f} s)")
-                if method == "coral":
-                    coral_cost, coral_served = plan.hourly_cost_usd, plan.served_fraction
-                ratio = plan.hourly_cost_usd / coral_cost if coral_cost else float("nan")
-                table.add_row(
-                    name,
-                    v,
-                    method,
-                    f"{plan.hourly_cost_usd:.2f}",
-                    str(plan.gpus(perf.catalog)),
-                    f"{plan.served_fraction:.1%}",
-                    lowest_attainment(plan),
-                    below_target(plan),
-                    f"{ratio:.2f}",
-                    f"{coral_served / plan.served_fraction:.2f}" if plan.served_fraction else "inf",
-                )
-        console.print(f"{name}: paper reports {PAPER_RATIOS.get(name, '-')} (Homo / Cauchy)")
-    console.print(table)
+    """Plan every scenario's variants with their methods and write the comparison table."""
+    import subprocess
+
+    if combine:
+        write(combined([json.loads(f.read_text(encoding="utf-8")) for f in combine]), out)
+        return
+    t0 = time.perf_counter()
+    perf = load_perf_model()
+    keys = scenario or [s.key for s in SCENARIOS]
+    unknown = [k for k in keys if k not in {s.key for s in SCENARIOS}]
+    if unknown:
+        raise typer.BadParameter(
+            f"unknown scenario {unknown}; choose from {[s.key for s in SCENARIOS]}",
+            param_hint="--scenario",
+        )
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    result: dict[str, Any] = {
+        "commit": commit,
+        "date": time.strftime("%Y-%m-%d"),
+        "workers": workers,
+    }
+    result["scenarios"] = {}
+    for sc in SCENARIOS:
+        if sc.key in keys:
+            result["scenarios"][sc.key] = run_scenario(
+                sc,
+                variant or list(VARIANTS),
+                perf,
+                workers,
+                ROOT / "stacks",
+                CACHE,
+                log=lambda s: print(s, flush=True),
+            )
+    result["seconds"] = time.perf_counter() - t0
+    write(result, out)
+
+
+def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several runs' results merged (later ones win per scenario variant), each run listed."""
+    out: dict[str, Any] = {"scenarios": {}, "runs": []}
+    for r in results:
+        for run in r.get("runs") or [r]:
+            out["runs"].append(
+                {k: run[k] for k in ("commit", "date", "seconds", "workers")}
+                | {"scenarios": {k: sorted(v["variants"]) for k, v in r["scenarios"].items()}}
+            )
+        for key, sc in r["scenarios"].items():
+            mine = out["scenarios"].setdefault(key, {**sc, "variants": {}})
+            mine["variants"].update(sc["variants"])
+    order = [s.key for s in SCENARIOS]
+    out["scenarios"] = dict(
+        sorted(
+            out["scenarios"].items(), key=lambda kv: order.index(kv[0]) if kv[0] in order else 99
+        )
+    )
+    return out
+
+
+def write(result: dict[str, Any], out: Path | None) -> None:
+    result["comparison"] = compare(result)
+    text = markdown(result)
+    print(text)
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "table.md").write_text(text, encoding="utf-8")
+        (out / "table.json").write_text(
+            json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8"
+        )
 
 
 if __name__ == "__main__":

@@ -1,0 +1,130 @@
+"""scripts/paper_eval.py (#19 item 4): the granularity relaxation never costs more than whole
+instances (and less when an instance is partly idle), and the table builder runs a tiny stack
+end to end in both variants and reports ratios that follow from the plans' own numbers."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import pytest
+import yaml
+
+from solver.catalog.market import Market
+from solver.plan.planner import plan_stack
+from solver.plan.schema import template_ref
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
+
+ROOT = Path(__file__).resolve().parents[2]
+R = ("aws", "r")
+
+
+@pytest.fixture(scope="module")
+def pe() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("paper_eval", ROOT / "scripts/paper_eval.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["paper_eval"] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def one_job_market(avail_x: int) -> tuple[Market, dict[Any, list[Any]]]:
+    """One prefill job; node x: 1 $/h, 100 units; node y: 2 $/h, 100 units."""
+    market = Market(
+        price={(R, "x"): 1.0, (R, "y"): 2.0},
+        available={(R, "x"): avail_x, (R, "y"): 50},
+        gpu_pools={},
+        gpu_of={"x": ("gx", 1), "y": ("gy", 1)},
+    )
+    templates = {
+        ("phi-4", "prefill"): [
+            SimpleNamespace(key="x", nodes=["x"], throughput=100.0),
+            SimpleNamespace(key="y", nodes=["y"], throughput=100.0),
+        ]
+    }
+    return market, templates
+
+
+def test_lp_relaxation_buys_fractions_and_respects_availability(pe: ModuleType, monkeypatch):
+    demand = {("phi-4", "prefill"): 150.0}
+    monkeypatch.setattr(pe, "stack_demand", lambda f: demand)
+    f = fleet(models={"phi-4": SMALL_FLEET["models"]["phi-4"]})
+    market, templates = one_job_market(avail_x=50)
+    assert pe.lp_relaxation(f, market, templates, 1.0) == pytest.approx(1.5)  # 1.5 x; ILP: 2
+    market, templates = one_job_market(avail_x=1)
+    assert pe.lp_relaxation(f, market, templates, 1.0) == pytest.approx(2.0)  # 1 x + 0.5 y
+    assert pe.lp_relaxation(f, market, templates, 0.5) == pytest.approx(0.75)
+    market, templates = one_job_market(avail_x=0)
+    market.available[(R, "y")] = 1
+    assert pe.lp_relaxation(f, market, templates, 1.0) is None  # 100 units < 150
+
+
+def test_relaxed_cost_is_at_most_the_whole_instance_cost(pe: ModuleType):
+    """On the small real stack: a demand of 1.5 instances of phi-4's l40sx1 prefill leaves an
+    instance half idle; both relaxations cost less than the plan, and never more."""
+    rps = rps_needing("phi-4", "prefill", "l40sx1", 1.5)
+    models = SMALL_FLEET["models"] | {
+        "phi-4": SMALL_FLEET["models"]["phi-4"] | {"demand": {"requests_per_s": rps}}
+    }
+    f = fleet(models=models)
+    libs = libraries()
+    factors = {template_ref(*job, t.key): 1.0 for job, lib in libs.items() for t in lib.templates}
+    for method in ("coral", "cauchy", "homo"):
+        plan = plan_stack("small", f, perf().catalog, libs, None, method, factors)
+        planned = pe.Planned(plan, factors, libs, 0.0)
+        relaxed = pe.relaxed_cost(planned, f, perf(), method)
+        frac = pe.fractional_cost(plan, f)
+        assert 0 < relaxed <= frac + 1e-9 <= plan.hourly_cost_usd + 1e-9, method
+        assert relaxed < plan.hourly_cost_usd - 1e-6, method
+
+
+def write_tiny_stack(folder: Path) -> None:
+    """One model, two node configs, one region; a short closed loop and verification."""
+    doc = {
+        "config": {
+            "coral:fleet": {
+                "description": "paper_eval test",
+                "models": {"phi-4": SMALL_FLEET["models"]["phi-4"]},
+                "regions": [{"cloud": "aws", "region": "us-east-2"}],
+                "node_configs": ["l4x1", "l40sx1"],
+                "library": {"n_max": 2, "rho": 12, "mode": "vllm"},
+                "allocation": {"colocate_phases": False},
+                "attainment": {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2},
+            }
+        }
+    }
+    (folder / "Pulumi.tiny.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
+
+
+def test_table_builder_on_a_tiny_stack(pe: ModuleType, tmp_path: Path):
+    write_tiny_stack(tmp_path)
+    sc = pe.Scenario(
+        "tiny", "core", "tiny", paper={"homo": pe._r(1.62, None, "1.62x cheaper"), "cauchy": None}
+    )
+    result = {"commit": "test", "date": "today", "workers": 1, "seconds": 0.0}
+    result["scenarios"] = {
+        "tiny": pe.run_scenario(sc, ["paper", "ours"], perf(), 1, tmp_path, tmp_path / "cache")
+    }
+    variants = result["scenarios"]["tiny"]["variants"]
+    assert variants["paper"]["mode"] == "paper" and variants["paper"]["market"] == "paper"
+    assert variants["ours"]["mode"] == "vllm"
+    assert set(variants["paper"]["methods"]) == {"coral", "homo-paper", "cauchy-paper"}
+    for var in variants.values():
+        for row in var["methods"].values():
+            assert row["relaxed_usd_per_hour"] <= row["usd_per_hour"] + 1e-9
+            assert row["gpus"] == sum(row["gpus_by_type"].values()) > 0
+    cmp = pe.compare(result)["tiny"]
+    paper, ours = variants["paper"]["methods"], variants["ours"]["methods"]
+    assert cmp["homo"]["paper"]["cost"] == pytest.approx(
+        paper["homo-paper"]["usd_per_hour"] / paper["coral"]["usd_per_hour"]
+    )
+    assert cmp["cauchy"]["ours"]["cost_relaxed"] == pytest.approx(
+        ours["cauchy"]["relaxed_usd_per_hour"] / ours["coral"]["relaxed_usd_per_hour"]
+    )
+    text = pe.markdown(result)
+    assert "| tiny | homo | 1.62x cheaper |" in text
+    assert f"{cmp['homo']['ours']['cost']:.2f}x" in text
