@@ -36,7 +36,7 @@ from solver.catalog.vllm_support import unsupported_gpus
 from solver.errors import InputError
 from solver.plan.schema import Instance, Plan
 from solver.templates.serving_template import ServingTemplate
-from solver.types import FROZEN
+from solver.types import FROZEN, base_model
 
 VLLM_VERSION = "0.33.0"  # pinned; tests run this version's own checks on every rendered node
 VLLM_ROUTER_VERSION = "0.1.17"
@@ -315,7 +315,7 @@ def node_boots(
             stack=stack,
             replica_key=replica_key,
             node_index=k,
-            model=template.model,
+            model=base_model(template.model),  # a length bucket serves its model's own name
             hf_repo=hf_repo,
             phase=phase,
             nnodes=len(template.stages),

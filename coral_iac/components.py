@@ -54,7 +54,7 @@ class ServingInstance(pulumi.ComponentResource):
         child = pulumi.ResourceOptions(parent=self, provider=args.region.provider)
         # The files `hf download` fetches (coral_iac/data/model_files.yaml), the venv, headroom.
         disk_gb = root_disk_gb(
-            args.model, args.boots[0].hf_repo, args.weights_gb * 1e9, args.disk_headroom_gb
+            args.boots[0].model, args.boots[0].hf_repo, args.weights_gb * 1e9, args.disk_headroom_gb
         )
         order = sorted(range(len(args.boots)), key=lambda k: not args.boots[k].is_head)
         head_ip: pulumi.Output[str] | None = None

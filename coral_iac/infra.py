@@ -285,11 +285,12 @@ class Infra:
     def gcp_tag(self, r: Region, model: str, public: bool, clients: bool = True) -> str:
         """Network tag of one model's nodes in one region, with its firewall rules (`clients`:
         as in `aws_group`)."""
-        tag = f"coral-{self.stack}-{model}"[:63].replace(".", "-").rstrip("-")
+        name = model.replace("@", "-")  # a length bucket (<model>@b<i>): GCP names allow no "@"
+        tag = f"coral-{self.stack}-{name}"[:63].replace(".", "-").rstrip("-")
         if model not in r.groups:
             opts = pulumi.ResourceOptions(provider=r.provider)
             gcp.compute.Firewall(
-                f"fw-{model}-{r.region}-internal",
+                f"fw-{name}-{r.region}-internal",
                 network=r.network,
                 direction="INGRESS",
                 allows=[{"protocol": "tcp"}, {"protocol": "udp"}],
@@ -300,7 +301,7 @@ class Infra:
             )
             if public and clients and self.deploy.api_cidrs:
                 gcp.compute.Firewall(
-                    f"fw-{model}-{r.region}-api",
+                    f"fw-{name}-{r.region}-api",
                     network=r.network,
                     direction="INGRESS",
                     allows=[{"protocol": "tcp", "ports": [str(self.deploy.api_port)]}],
@@ -311,7 +312,7 @@ class Infra:
                 )
             if public and self.gateway is not None:
                 gcp.compute.Firewall(
-                    f"fw-{model}-{r.region}-gateway",
+                    f"fw-{name}-{r.region}-gateway",
                     network=r.network,
                     direction="INGRESS",
                     allows=[{"protocol": "tcp", "ports": [str(self.deploy.api_port)]}],

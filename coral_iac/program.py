@@ -48,10 +48,12 @@ from solver.errors import CoralError
 from solver.operations.reconfiguration import FleetState, router_peers, transition
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
+from solver.plan.length_routing import fleet_for_plan
 from solver.plan.planner import plan_with_library
 from solver.plan.schema import Instance, Plan, template_ref
 from solver.stack import FLEET_KEY, FleetConfig, parse_fleet
 from solver.templates.instance_model import InstanceModel
+from solver.types import base_model
 
 
 def utc_now() -> datetime:
@@ -363,16 +365,32 @@ def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
     )
 
 
+def serving_fleet(fleet: FleetConfig, plan: Plan, previous: Plan | None) -> FleetConfig:
+    """The fleet every declared instance belongs to: the stack's, with the length buckets of
+    this plan and of the previous one (whose bucket instances may still be draining)."""
+    out = fleet_for_plan(fleet, plan)
+    if previous is not None and previous.routing:
+        kept = [d for d in previous.routing if d.model in fleet.models]
+        old = fleet_for_plan(fleet, previous.model_copy(update={"routing": kept}))
+        extra = {m: s for m, s in old.models.items() if m not in out.models}
+        out = out.model_copy(update={"models": {**out.models, **extra}})
+    return out
+
+
 def _without_removed_models(state: FleetState, fleet: FleetConfig) -> FleetState:
     """Instances of a model the stack no longer serves are deleted now: it has no demand, so
     no capacity to keep (and its settings are gone)."""
-    gone = sorted({m.instance.model for m in state.members.values()} - set(fleet.models))
+    gone = sorted(
+        {base_model(m.instance.model) for m in state.members.values()} - set(fleet.models)
+    )
     if not gone:
         return state
     pulumi.log.warn(
         f"{', '.join(gone)} left coral:fleet.models: their instances are deleted in this run"
     )
-    kept = {k: m for k, m in state.members.items() if m.instance.model in fleet.models}
+    kept = {
+        k: m for k, m in state.members.items() if base_model(m.instance.model) in fleet.models
+    }
     return state.model_copy(update={"members": kept})
 
 
@@ -415,7 +433,13 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     states = {key: m.state for key, m in state.members.items()}
     peers = {key: m.peers for key, m in state.members.items() if m.peers}
     endpoints, gateway = declare(
-        declared_plan(plan, state), fleet, deploy, perf, stack, states, peers
+        declared_plan(plan, state),
+        serving_fleet(fleet, plan, previous),
+        deploy,
+        perf,
+        stack,
+        states,
+        peers,
     )
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:

@@ -257,6 +257,8 @@ def show_plan(p: Any) -> None:
     out.print(table)
     if p.attainment:
         out.print(attainment_table(p))
+    if p.routing:
+        out.print(routing_table(p))
     if p.solver:
         s = p.solver
         bound = "no bound" if s.best_bound is None else f"bound {s.best_bound:,.2f}"
@@ -282,6 +284,8 @@ def attainment_table(p: Any) -> Table:
         status = "[green]meets[/]" if a.verified is not None and not a.short_by else ""
         if a.short_by:
             status = f"[red]short {100 * a.short_by:.1f} pts[/]"
+        if "@" in a.model:  # a length bucket: its model as a whole is judged on its own row
+            status = "bucket" if not a.short_by else f"bucket, {100 * a.short_by:.1f} pts under"
         table.add_row(
             a.model,
             a.workload,
@@ -290,6 +294,38 @@ def attainment_table(p: Any) -> Table:
             f"{pct(a.verified)} ({a.verified_minutes:g} min)",
             " ".join(f"{ph} {k:g}" for ph, k in a.headroom.items()),
             status,
+        )
+    return table
+
+
+def routing_table(p: Any) -> Table:
+    """Length routing per model that asks for it: the decision, both plans' cost and
+    attainment, and the buckets (prompt tokens, Content-Length bytes, share, target)."""
+    table = Table(title="Length routing (requests to length buckets by prompt size)")
+    for col in ("model", "routed", "one pool $/h", "buckets $/h", "buckets", "why"):
+        table.add_column(col, justify="right" if "$" in col else "left")
+
+    def cost(usd: float | None, verified: float | None) -> str:
+        at = f" ({100 * verified:.1f}%)" if verified is not None else ""
+        return "-" if usd is None else f"{usd:,.2f}{at}"
+
+    for d in p.routing:
+        buckets = "\n".join(
+            f"{b.name}: <= {b.max_prompt_tokens:g} tok (<= {b.max_body_bytes} B), "
+            if b.max_prompt_tokens is not None
+            else f"{b.name}: > {b.min_prompt_tokens:g} tok, "
+            for b in d.buckets
+        )
+        shares = [
+            f"{100 * b.share:.0f}% of requests, target {100 * b.target:g}%" for b in d.buckets
+        ]
+        table.add_row(
+            d.model,
+            "yes" if d.routed else "no",
+            cost(d.one_pool_usd_per_hour, d.one_pool_verified),
+            cost(d.routed_usd_per_hour, d.routed_verified),
+            "\n".join(f"{a}{b}" for a, b in zip(buckets.split("\n"), shares, strict=True)),
+            d.reason,
         )
     return table
 

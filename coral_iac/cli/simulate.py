@@ -45,6 +45,7 @@ def simulate_cmd(
     from coral_iac.demand_sources import resolve_demand
     from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
+    from solver.plan.length_routing import fleet_for_plan
     from solver.simulation.simulator import simulate
     from solver.simulation.traces import load_trace_csv
 
@@ -57,12 +58,21 @@ def simulate_cmd(
     # The same demand `coral plan` used: the stack's demand source (config, file, Prometheus).
     fleet = resolve_demand(load_stack_named(stack), stack, stacks_dir(), warn=warn)
     plan = load_plan(plan_file)
+    fleet = fleet_for_plan(fleet, plan)  # a routed model's length buckets
     perf = load_perf_model()
     if capacity:
         _capacity(plan, fleet, perf, duration, as_json)
         return
     if trace_dir is not None:
-        traces = {m: load_trace_csv(trace_dir / f"{m}.csv") for m in sorted(fleet.models)}
+        traces = {}
+        for m, spec in sorted(fleet.models.items()):  # a length bucket: its model's file, cut
+            t = load_trace_csv(trace_dir / f"{m.split('@')[0]}.csv")
+            if (cut := spec.length_slice) is not None:
+                keep = t.prompt > cut.min_prompt_tokens
+                if cut.max_prompt_tokens is not None:
+                    keep &= t.prompt <= cut.max_prompt_tokens
+                t = type(t)(t.arrival_s[keep], t.prompt[keep], t.output[keep])
+            traces[m] = t
     else:
         traces = stack_workload(fleet, duration, load, seed)
     summary = simulate(plan, fleet, perf, traces, duration).summary()
@@ -98,7 +108,8 @@ def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[
         rate = request_rate(spec) * load
         if rate <= 0:
             continue
-        if spec.workload_trace is not None:
+        if spec.workload_trace is not None or spec.length_slice is not None:
+            # A length bucket: the model's stream thinned to its prompts (verification seeds).
             root = stacks_dir().parent
             traces[model] = model_trace(spec, i, "verify", duration, root, load)
         else:
