@@ -1,8 +1,9 @@
 """Where the library build places its chunks of node multisets: in-process, a process pool, or
 Ray actors. Each worker caches its T̂ rows, so a chunk costs only its placements.
 
-SIGINT and SIGTERM during a build end every worker (pool processes are terminated, Ray is shut
-down) before the build stops with `Terminated`; workers ignore SIGINT (Ctrl-C reaches the whole
+SIGINT and SIGTERM during a build end every worker (pool processes are terminated; Ray is shut
+down and whatever local Ray process outlives that is killed) before the build stops with
+`Terminated`; workers ignore SIGINT (Ctrl-C reaches the whole
 process group; the parent decides) and on Linux die with their parent even if it is killed.
 """
 
@@ -13,11 +14,14 @@ import ctypes
 import ctypes.util
 import importlib
 import inspect
+import os
 import signal
 import sys
 import threading
+import time
 from collections.abc import Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
 from types import FrameType
 from typing import Any, Literal
 
@@ -128,13 +132,18 @@ def _tracked(
         results.close()
 
 
-def _die_with_parent() -> None:
-    """Linux: this process gets SIGTERM when its parent dies (even by SIGKILL)."""
+def _prctl(option: int, value: int) -> None:
+    """Linux's prctl(2); nothing elsewhere."""
     if not sys.platform.startswith("linux"):
         return
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        libc.prctl(option, value)
+
+
+def _die_with_parent() -> None:
+    """Linux: this process gets SIGTERM when its parent dies (even by SIGKILL)."""
+    _prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
 def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
@@ -202,13 +211,76 @@ def _run_on_ray(
             "--executor", "ray is not installed", "pip install -e '.[ray]' (or use process)"
         ) from e
     started_here = not ray.is_initialized()
-    if started_here:
-        ray.init(address=address, num_cpus=None if address else workers, log_to_driver=False)
+    local: dict[int, str] = {}  # the local Ray processes this build started: pid -> start time
     try:
+        if started_here:
+            _prctl(36, 1)  # PR_SET_CHILD_SUBREAPER: Ray's orphans stay our descendants
+            try:
+                ray.init(
+                    address=address, num_cpus=None if address else workers, log_to_driver=False
+                )
+            except SystemExit as e:  # ray.init's own SIGTERM handler: sys.exit(15)
+                if e.code == signal.SIGTERM:
+                    raise Terminated(signal.SIGTERM) from None
+                raise
+            _reclaim_signals()  # that handler would exit with 15 and end nothing
+            local = _descendants()
         n_actors = workers if not address else max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(_Placer)
         pool = actor_pool([actor.remote(perf, fleet) for _ in range(n_actors)])
         yield from pool.map(lambda a, t: a.place.remote(*t), tasks)
     finally:
         if started_here:
+            local |= _descendants()
             ray.shutdown()
+            # After a signal, ray.shutdown() leaves the raylet's agents (DashboardAgent,
+            # RuntimeEnvAgent) running (Ray 2.x, measured): end what is left.
+            _end_processes(local)
+
+
+def _reclaim_signals() -> None:
+    """Inside a tracked build on the main thread, SIGINT and SIGTERM go to `_on_signal` again."""
+    if _LIVE and threading.current_thread() is threading.main_thread():
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(signum, _on_signal)
+
+
+def _start_time(pid: int) -> str | None:
+    """Field 22 of /proc/<pid>/stat (tells a process from a later one with its pid); None
+    once it has exited or is a zombie."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return None if fields[0] == "Z" else fields[19]
+
+
+def _descendants() -> dict[int, str]:
+    """Linux: every live descendant of this process, pid -> start time (elsewhere: none)."""
+    parents: dict[int, int] = {}
+    with contextlib.suppress(OSError):
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                with contextlib.suppress(OSError, IndexError, ValueError):
+                    stat = Path(f"/proc/{entry}/stat").read_text()
+                    parents[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    found: dict[int, str] = {}
+    todo = [os.getpid()]
+    while todo:
+        parent = todo.pop()
+        for pid, ppid in parents.items():
+            if ppid == parent and pid not in found and (start := _start_time(pid)):
+                found[pid] = start
+                todo.append(pid)
+    return found
+
+
+def _end_processes(processes: dict[int, str], grace_s: float = 3.0) -> None:
+    """Kill those of `processes` (pid -> start time) still running after `grace_s`."""
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_start_time(p) == t for p, t in processes.items()):
+        time.sleep(0.05)
+    for pid, start in processes.items():
+        if _start_time(pid) == start:
+            with contextlib.suppress(OSError):
+                os.kill(pid, signal.SIGKILL)
