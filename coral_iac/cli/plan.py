@@ -299,9 +299,9 @@ def attainment_table(p: Any) -> Table:
 
 
 def routing_table(p: Any) -> Table:
-    """Length routing per model that asks for it: the decision, both plans' cost and
-    attainment, and the buckets (prompt tokens, Content-Length bytes, share, target)."""
-    table = Table(title="Length routing (requests to length buckets by prompt size)")
+    """Length routing per model that asks for it: the decision, both plans' cost (and verified
+    attainment), and each bucket: its prompt tokens, Content-Length bound, share and target."""
+    table = Table(title="Length routing (requests to buckets by prompt length)")
     for col in ("model", "routed", "one pool $/h", "buckets $/h", "buckets", "why"):
         table.add_column(col, justify="right" if "$" in col else "left")
 
@@ -309,22 +309,21 @@ def routing_table(p: Any) -> Table:
         at = f" ({100 * verified:.1f}%)" if verified is not None else ""
         return "-" if usd is None else f"{usd:,.2f}{at}"
 
-    for d in p.routing:
-        buckets = "\n".join(
-            f"{b.name}: <= {b.max_prompt_tokens:g} tok (<= {b.max_body_bytes} B), "
+    def bucket(b: Any) -> str:
+        where = (
+            f"<={b.max_prompt_tokens:g} tok ({b.max_body_bytes} B)"
             if b.max_prompt_tokens is not None
-            else f"{b.name}: > {b.min_prompt_tokens:g} tok, "
-            for b in d.buckets
+            else f">{b.min_prompt_tokens:g} tok"
         )
-        shares = [
-            f"{100 * b.share:.0f}% of requests, target {100 * b.target:g}%" for b in d.buckets
-        ]
+        return f"{b.name.split('@')[1]}: {where}, {100 * b.share:.0f}%, target {100 * b.target:g}%"
+
+    for d in p.routing:
         table.add_row(
             d.model,
             "yes" if d.routed else "no",
             cost(d.one_pool_usd_per_hour, d.one_pool_verified),
             cost(d.routed_usd_per_hour, d.routed_verified),
-            "\n".join(f"{a}{b}" for a, b in zip(buckets.split("\n"), shares, strict=True)),
+            "\n".join(bucket(b) for b in d.buckets),
             d.reason,
         )
     return table

@@ -4,8 +4,9 @@ instances of its own (Mélange's request-size buckets; issue #16, docs/slo-attai
 A model with `length_routing: {split_quantiles: [q, ...]}` is planned twice: as one pool, and
 as buckets cut at those quantiles of its planning workload's prompt lengths. A bucket is a model
 of its own to the rest of the planner, named `<model>@b<i>`: its demand is the model's requests/s
-times its share, its mean lengths are its requests' means (its template library is built for
-them), and its workload is the model's stream thinned to its prompts (`LengthSlice`), so every
+times its share (or each phase's tokens/s times the bucket's share of those tokens), its mean
+lengths are its requests' means, scaled so the buckets' share-weighted means are the model's
+(its template library is built for them), and its workload is the model's stream thinned to its prompts (`LengthSlice`), so every
 request keeps the length and arrival time it has in the one pool.
 
 - **Shared miss budget.** The model's target holds for all its requests together, so after a
@@ -34,7 +35,7 @@ import numpy as np
 from solver.errors import InputError
 from solver.plan.schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
 from solver.simulation.workload import model_trace, request_rate
-from solver.stack import Demand, FleetConfig, LengthSlice, ModelSpec
+from solver.stack import Demand, FleetConfig, LengthSlice, ModelSpec, PhaseTokens
 from solver.types import BUCKET_SEP
 
 MIN_BUCKET_TARGET = 0.5  # the longest bucket's target under the shared miss budget, at least
@@ -64,7 +65,7 @@ def make_buckets(fleet: FleetConfig, model: str, root: Path | None = None) -> li
     prompts = trace.prompt.astype(np.float64)
     cuts = [float(np.floor(np.quantile(prompts, q))) for q in routing.split_quantiles]
     edges: list[tuple[float, float | None]] = list(zip([0.0, *cuts], [*cuts, None], strict=True))
-    buckets = []
+    cut = []
     for i, (lo, hi) in enumerate(edges):
         keep = (prompts > lo) & (prompts <= hi if hi is not None else True)
         if not keep.any():
@@ -74,28 +75,42 @@ def make_buckets(fleet: FleetConfig, model: str, root: Path | None = None) -> li
                 f"(prompt lengths of the planning workload: {len(prompts)} requests)",
                 "use fewer or further-apart quantiles",
             )
-        bpt = routing.bytes_per_token
-        buckets.append(
-            LengthBucket(
-                name=f"{model}{BUCKET_SEP}b{i}",
-                min_prompt_tokens=lo,
-                max_prompt_tokens=hi,
-                min_body_bytes=int(lo * bpt),
-                max_body_bytes=int(hi * bpt) if hi is not None else None,
-                share=round(float(keep.mean()), 6),
-                mean_prompt_tokens=round(float(prompts[keep].mean()), 3),
-                mean_output_tokens=round(float(trace.output[keep].mean()), 3),
-                target=spec.slo_attainment,
-            )
+        cut.append((lo, hi, float(keep.mean()), prompts[keep].mean(), trace.output[keep].mean()))
+    # The buckets' means, weighted by their shares, are the stack's means (the planning window's
+    # differ by a few percent), so the buckets' token demand adds up to the model's exactly.
+    prompt_k = spec.mean_prompt_tokens / sum(share * p for _, _, share, p, _ in cut)
+    output_k = spec.mean_output_tokens / sum(share * o for _, _, share, _, o in cut)
+    bpt = routing.bytes_per_token
+    return [
+        LengthBucket(
+            name=f"{model}{BUCKET_SEP}b{i}",
+            min_prompt_tokens=lo,
+            max_prompt_tokens=hi,
+            min_body_bytes=int(lo * bpt),
+            max_body_bytes=int(hi * bpt) if hi is not None else None,
+            share=round(share, 6),
+            mean_prompt_tokens=round(float(p * prompt_k), 3),
+            mean_output_tokens=round(float(o * output_k), 3),
+            target=spec.slo_attainment,
         )
-    return buckets
+        for i, (lo, hi, share, p, o) in enumerate(cut)
+    ]
 
 
 def bucket_spec(spec: ModelSpec, bucket: LengthBucket) -> ModelSpec:
     """A bucket as a model of its own: its share of the demand, its lengths, its requests."""
+    tokens = spec.demand.tokens_per_s if spec.demand is not None else None
+    if tokens is None:
+        demand = Demand(requests_per_s=request_rate(spec) * bucket.share)
+    else:  # each phase's tokens/s in proportion to the bucket's share of the model's tokens
+        p = bucket.share * bucket.mean_prompt_tokens / spec.mean_prompt_tokens
+        o = bucket.share * bucket.mean_output_tokens / spec.mean_output_tokens
+        demand = Demand(
+            tokens_per_s=PhaseTokens(prefill=tokens.prefill * p, decode=tokens.decode * o)
+        )
     return spec.model_copy(
         update={
-            "demand": Demand(requests_per_s=request_rate(spec) * bucket.share),
+            "demand": demand,
             "mean_prompt_tokens": bucket.mean_prompt_tokens,
             "mean_output_tokens": bucket.mean_output_tokens,
             "slo_attainment": bucket.target,

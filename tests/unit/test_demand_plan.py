@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
@@ -25,6 +26,11 @@ def test_plan_and_demand_show_agree_on_staging(tmp_path, monkeypatch):
         app, ["plan", "--stack", "staging", "--library", str(tmp_path / "lib"), "--json"]
     )
     assert plan.exit_code == 0, plan.output
-    got = {(j["model"], j["phase"]): j["demand"] for j in json.loads(plan.stdout)["jobs"]}
-    assert got == want
+    got: dict[tuple[str, str], float] = {}
+    for j in json.loads(plan.stdout)["jobs"]:  # gpt-oss-20b's length buckets add up to it
+        key = (j["model"].split("@")[0], j["phase"])
+        got[key] = got.get(key, 0.0) + j["demand"]
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, rel=1e-4), key
     assert want[("qwen3-32b", "prefill")] == 480.0  # 0.8 requests/s in stacks/demand/staging.yaml
