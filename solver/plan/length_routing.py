@@ -191,28 +191,58 @@ def _cost(plan: Plan, names: list[str]) -> float:
     return round(sum(sum(plan.cost_by_model.get(n, {}).values()) for n in names), 4)
 
 
+def _penalty(plan: Plan, names: list[str], previous: Plan | None, k: float) -> float:
+    """The start-up penalty of the instances of `names` the running fleet does not have: what
+    switching between buckets and one pool costs on top of the $/hour (the allocation's K)."""
+    if previous is None:  # a first plan: every instance is new either way
+        return 0.0
+    running = {i.key for i in previous.instances}
+    return k * sum(
+        i.usd_per_hour for i in plan.instances if i.model in names and i.key not in running
+    )
+
+
 def _verified_of(plan: Plan, model: str) -> float | None:
     return next((a.verified for a in plan.attainment if a.model == model), None)
 
 
 def decide(
-    model: str, fleet: FleetConfig, one: Plan, routed: Plan, buckets: list[LengthBucket]
+    model: str,
+    fleet: FleetConfig,
+    one: Plan,
+    routed: Plan,
+    buckets: list[LengthBucket],
+    previous: Plan | None = None,
 ) -> RoutingDecision:
-    """Route the model or not (module doc), with both plans' cost and attainment."""
+    """Route the model or not (module doc), with both plans' cost and attainment; with a
+    running fleet (`previous`), each side's cost includes the start-up penalty of the instances
+    it adds, so a running choice is kept unless the other saves more than switching costs."""
     spec = fleet.models[model]
     assert spec.length_routing is not None
     target = spec.slo_attainment
-    one_usd, routed_usd = _cost(one, [model]), _cost(routed, [b.name for b in buckets])
+    names = [b.name for b in buckets]
+    one_usd, routed_usd = _cost(one, [model]), _cost(routed, names)
+    k = fleet.allocation.startup_penalty_k
+    one_total = one_usd + _penalty(one, [model], previous, k)
+    routed_total = routed_usd + _penalty(routed, names, previous, k)
     one_ok = (v1 := _verified_of(one, model)) is None or v1 >= target
     _, v2 = _weighted(routed, buckets)
     routed_ok = (v2 is None or v2 >= target) and routed.served_fraction >= one.served_fraction
     if spec.length_routing.mode == "always":
         routed_it, reason = True, "length_routing.mode is always"
-    elif not routed_ok and one_ok:
-        routed_it, reason = False, "the buckets miss the target where one pool meets it"
-    elif routed_usd < one_usd or (routed_ok and not one_ok):
+    elif routed_ok != one_ok:  # only one of the two meets the target
+        routed_it = routed_ok
+        reason = "only the buckets meet the target" if routed_ok else "the buckets miss the target"
+    elif not routed_ok:  # neither does: the closer one
+        routed_it = (v2 or 0.0) > (v1 or 0.0)
+        reason = "neither meets the target; " + ("buckets" if routed_it else "one pool") + " closer"
+    elif routed_total < one_total:
         saving = 100 * (one_usd - routed_usd) / one_usd if one_usd else 0.0
         routed_it, reason = True, f"buckets save {saving:.1f}% at the target"
+    elif routed_usd < one_usd:
+        saving = 100 * (one_usd - routed_usd) / one_usd
+        routed_it = False
+        reason = f"buckets would save {saving:.1f}%, less than replacing the running one pool costs"
     else:
         extra = 100 * (routed_usd - one_usd) / one_usd if one_usd else 0.0
         routed_it, reason = False, f"buckets cost {extra:.1f}% more than one pool"
@@ -257,16 +287,30 @@ def whole_model_rows(plan: Plan, fleet: FleetConfig) -> list[ModelAttainment]:
     return sorted(rows, key=lambda a: a.model)
 
 
+def _rank(
+    plan: Plan, buckets: dict[str, list[LengthBucket]], fleet: FleetConfig
+) -> tuple[bool, float, float]:
+    """Order of two routed plans: every routed model at its target first, then the cheaper,
+    then the one closer to its targets."""
+    gaps = []
+    for m, bs in buckets.items():
+        _, verified = _weighted(plan, bs)
+        gaps.append(fleet.models[m].slo_attainment - (verified if verified is not None else 1.0))
+    worst = max(gaps, default=0.0)
+    return (worst > 0, plan.hourly_cost_usd, worst)
+
+
 def plan_routed(
     fleet: FleetConfig,
     plan_once: PlanOnce,
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
+    previous: Plan | None = None,
 ) -> tuple[Plan, FleetConfig]:
     """Plan a fleet whose models may ask for length routing (module doc); returns the plan
     (with its routing decisions and whole-model attainment rows) and the fleet it was solved
     for. `plan_once(fleet)`: one closed-loop plan with verification; `progress`: a line per
-    plan."""
+    plan; `previous`: the running plan (switching costs its start-up penalty)."""
     say = progress or (lambda _line: None)
     asked = routed_models(fleet)
     if not asked:
@@ -282,8 +326,11 @@ def plan_routed(
     }
     if relaxed != buckets:
         say("length routing: the longest buckets take the miss budget the shorter ones leave")
-        buckets, routed = relaxed, plan_once(expand(fleet, relaxed))
-    decisions = [decide(m, fleet, one, routed, buckets[m]) for m in asked]
+        second = plan_once(expand(fleet, relaxed))
+        # The closed loop is path-dependent: keep the relaxed plan only when it does better.
+        if _rank(second, relaxed, fleet) < _rank(routed, buckets, fleet):
+            buckets, routed = relaxed, second
+    decisions = [decide(m, fleet, one, routed, buckets[m], previous) for m in asked]
     chosen = {d.model: d.buckets for d in decisions if d.routed}
     if len(chosen) == len(asked):
         final = routed
@@ -293,7 +340,8 @@ def plan_routed(
         say("length routing: planning the chosen mix of buckets and pools")
         final = plan_once(expand(fleet, chosen))
     auto = all(fleet.models[m].length_routing.mode == "auto" for m in chosen)  # type: ignore[union-attr]
-    if chosen and auto and final.hourly_cost_usd > one.hourly_cost_usd:
+    objective = final.hourly_cost_usd + final.startup_penalty_usd_per_hour
+    if chosen and auto and objective > one.hourly_cost_usd + one.startup_penalty_usd_per_hour:
         why = (
             f"the plan with buckets costs {final.hourly_cost_usd:,.2f} $/h, one pool per model "
             f"{one.hourly_cost_usd:,.2f} $/h"

@@ -292,7 +292,7 @@ def plan_with_library(
 
         return plan_to_target(planned_fleet, perf, libs, solve, root, on_round, cache=directory)
 
-    plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round)
+    plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)
     jobs = set(stack_demand(planned_fleet))
     library = {
         template_ref(m, ph, t.key): t

@@ -21,6 +21,7 @@ from coral_iac.cli.app import app
 from coral_iac.gateway import gateway_upstreams, render_haproxy_config
 from solver.errors import InputError
 from solver.plan.length_routing import (
+    decide,
     expand,
     fleet_for_plan,
     make_buckets,
@@ -313,3 +314,74 @@ def test_coral_plan_routes_a_model_by_length_end_to_end(tmp_path):
     whole = next(a for a in plan.attainment if a.model == "phi-4")
     assert whole.verified is not None and whole.target == 0.9
     assert "phi-4@b0" in r.output and "length" in r.output
+
+
+def _decided(one_usd, one_att, routed_usd, routed_att, mode="auto", previous=None):
+    fleet = routed_dev()
+    spec = fleet.models["phi-4"]
+    routing = spec.length_routing.model_copy(update={"mode": mode})
+    fleet = fleet.model_copy(
+        update={"models": {"phi-4": spec.model_copy(update={"length_routing": routing})}}
+    )
+    buckets = [_bucket(0, 0, 1000, 0.5), _bucket(1, 1000, None, 0.5)]
+    one = make_plan([("phi-4", "aggregated", "l4x1", "l4x1", 1.0, 1)]).model_copy(
+        update={
+            "cost_by_model": {"phi-4": {"aggregated": one_usd}},
+            "attainment": [
+                ModelAttainment(
+                    model="phi-4", target=0.9, workload="w", planned=one_att, verified=one_att
+                )
+            ],
+        }
+    )
+    routed = make_plan(ROUTED_ROWS).model_copy(
+        update={
+            "cost_by_model": {
+                "phi-4@b0": {"aggregated": routed_usd / 2},
+                "phi-4@b1": {"aggregated": routed_usd / 2},
+            },
+            "attainment": [
+                ModelAttainment(
+                    model=b.name,
+                    target=0.9,
+                    workload="w",
+                    planned=routed_att,
+                    verified=routed_att,
+                    verified_requests=100,
+                )
+                for b in buckets
+            ],
+        }
+    )
+    return decide("phi-4", fleet, one, routed, buckets, previous)
+
+
+@pytest.mark.parametrize(
+    ("case", "routed", "reason"),
+    [
+        ((10.0, 0.95, 8.0, 0.93), True, "buckets save 20.0%"),
+        ((10.0, 0.95, 12.0, 0.93), False, "buckets cost 20.0% more"),
+        ((10.0, 0.95, 8.0, 0.85), False, "the buckets miss the target"),
+        ((10.0, 0.80, 12.0, 0.93), True, "only the buckets meet the target"),
+        ((10.0, 0.80, 8.0, 0.85), True, "neither meets the target; buckets closer"),
+        ((10.0, 0.86, 8.0, 0.85), False, "neither meets the target; one pool closer"),
+    ],
+)
+def test_the_planner_routes_only_when_buckets_meet_the_target_for_less(case, routed, reason):
+    d = _decided(*case)
+    assert d.routed is routed and reason in d.reason, d.reason
+    assert d.one_pool_usd_per_hour == case[0] and d.routed_usd_per_hour == case[2]
+
+
+def test_mode_always_routes_whatever_it_costs():
+    assert _decided(10.0, 0.95, 30.0, 0.93, mode="always").routed
+
+
+def test_a_running_one_pool_is_kept_unless_buckets_save_more_than_switching_costs():
+    # dev: K = 20 / 60 minutes; the buckets' three new instances (1 $/h each) cost 1.00 $/h of
+    # start-up penalty, more than the 0.50 $/h they save; the running one pool costs none.
+    running = make_plan([("phi-4", "aggregated", "l4x1", "l4x1", 1.0, 1)])
+    cold = _decided(10.0, 0.95, 9.5, 0.93)
+    warm = _decided(10.0, 0.95, 9.5, 0.93, previous=running)
+    assert cold.routed and not warm.routed
+    assert "less than replacing the running one pool costs" in warm.reason
