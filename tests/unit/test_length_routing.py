@@ -385,3 +385,28 @@ def test_a_running_one_pool_is_kept_unless_buckets_save_more_than_switching_cost
     warm = _decided(10.0, 0.95, 9.5, 0.93, previous=running)
     assert cold.routed and not warm.routed
     assert "less than replacing the running one pool costs" in warm.reason
+
+
+def test_bucket_nodes_in_gcp_get_names_gcp_accepts(tmp_path, preview):
+    """staging with routing forced: its buckets land in AWS and GCP; every GCP network tag,
+    firewall and instance name is one GCP accepts (no '@'), labels name the bucket."""
+    import re
+
+    doc = yaml.safe_load((REPO / "stacks" / "Pulumi.staging.yaml").read_text())
+    routing = doc["config"]["coral:fleet"]["models"]["gpt-oss-20b"]["length_routing"]
+    routing["mode"] = "always"
+    (tmp_path / "demand").mkdir()
+    (tmp_path / "demand" / "staging.yaml").write_text(
+        (REPO / "stacks" / "demand" / "staging.yaml").read_text()
+    )
+    (tmp_path / "Pulumi.staging.yaml").write_text(yaml.safe_dump(doc))
+    result = preview("staging", tmp_path)
+    assert {d.model for d in result.plan.routing if d.routed} == {"gpt-oss-20b"}
+    gcp_name = re.compile(r"^[a-z]([-a-z0-9]{0,61}[a-z0-9])?$")
+    nodes = result.of_type("gcp:compute/instance:Instance")
+    assert nodes, "no GCP node: the test needs buckets in GCP"
+    for r in nodes:
+        assert gcp_name.match(r.inputs["name"]), r.inputs["name"]
+        assert all(gcp_name.match(t) for t in r.inputs["tags"]), r.inputs["tags"]
+    for r in result.of_type("gcp:compute/firewall:Firewall"):
+        assert "@" not in r.name and all(gcp_name.match(t) for t in r.inputs.get("targetTags", []))
