@@ -79,15 +79,17 @@ def test_repository_shell_scripts_pass_shellcheck():
 
 
 def test_preview_and_render_a_stack_with_gcp_instances_through_the_cli(tmp_path, monkeypatch):
-    """staging plans GCP nodes: their `tags` are network tags (a list), which crashed `coral
-    preview`; their replica keys come back from the sanitised labels."""
+    """dev-gcp plans only GCP nodes: their `tags` are network tags (a list), which crashed `coral
+    preview`; their replica keys come back from the sanitised labels. (staging has a GCP region
+    too, but whether its plan buys a GCP node depends on its demand and prices: it buys none
+    since gpt-oss-20b moved to the Azure code trace.)"""
     monkeypatch.chdir(REPO)
     library = ["--library", str(tmp_path / "library")]
-    r = runner.invoke(app, ["preview", "--stack", "staging", *library])
+    r = runner.invoke(app, ["preview", "--stack", "dev-gcp", *library])
     assert r.exit_code == 0, r.output
     assert "gcp:us-central1:" in r.stdout and "/gcp:us-central1/" in r.stdout
     out = tmp_path / "ud"
-    r = runner.invoke(app, ["render", "--stack", "staging", "--out", str(out), *library])
+    r = runner.invoke(app, ["render", "--stack", "dev-gcp", "--out", str(out), *library])
     assert r.exit_code == 0, r.output
     assert any("gcp" in f.name for f in out.glob("*.yaml"))
 
