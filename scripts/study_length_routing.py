@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 
 from solver.io import data_path  # noqa: E402
 from solver.simulation.traces import Trace, load_trace_csv  # noqa: E402
-from solver.simulation.workload import PACKAGED_TRACES, request_rate  # noqa: E402
+from solver.simulation.workload import PACKAGED_TRACES, request_rate, trace_window  # noqa: E402
 from solver.stack import ModelSpec, load_stack  # noqa: E402
 
 LIBRARIES = REPO / ".coral" / "library" / "study-length-routing"
@@ -192,7 +192,7 @@ def one_pool_met(
     plan: Any, fleet: Any, perf: Any, root: Path, full: Trace
 ) -> tuple[np.ndarray, np.ndarray]:
     """The one pool's verification request by request: the indices of its requests in the
-    full trace (the verification window is the trace's second half, in order) and whether
+    full trace (the verification window's, `trace_window`, in order) and whether
     each met both SLOs. Checked against the trace's output lengths."""
     from solver.plan.attainment import simulate_workload
 
@@ -200,12 +200,11 @@ def one_pool_met(
     sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, root)
     assert sim is not None, "the one pool serves nothing"
     r = next(iter(sim.models.values()))
-    span = float(full.arrival_s[-1] - full.arrival_s[0])
-    idx = np.nonzero(full.arrival_s >= full.arrival_s[0] + span / 2)[0][: len(r.met)]
+    idx = trace_window(full.arrival_s, "verify")[0][: len(r.met)]
     spec = next(iter(fleet.models.values()))
     k = spec.mean_output_tokens / float(full.output.mean())
     if not np.array_equal(r.output, np.maximum(1, np.rint(full.output[idx] * k))):
-        sys.exit("the verification window is not the trace's second half in order")
+        sys.exit("the verification window is not trace_window's, in order")
     return idx, r.met
 
 

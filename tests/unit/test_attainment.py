@@ -16,7 +16,7 @@ from solver.plan.planner import plan_with_library
 from solver.plan.schema import Plan
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import stack_traces
-from solver.simulation.workload import model_trace
+from solver.simulation.workload import TRACE_BLOCK_S, model_trace, trace_window
 from solver.stack import load_stack
 from tests.conftest import REPO
 
@@ -135,9 +135,27 @@ def test_trace_windows_are_disjoint_at_the_demand_rate_and_the_stack_means(tmp_p
     for t in (plan_t, verify_t):
         assert len(t) / t.arrival_s[-1] == pytest.approx(rate, rel=0.02)
         assert t.prompt.mean() == pytest.approx(spec.mean_prompt_tokens, rel=0.1)
-    # Different requests: the two halves of the trace do not share their length sequences.
+    # Different requests: the two windows do not share their length sequences.
     n = min(len(plan_t), len(verify_t), 500)
     assert not np.array_equal(plan_t.prompt[:n], verify_t.prompt[:n])
+
+
+def test_trace_windows_interleave_and_partition_the_trace():
+    """Planning and verification read alternate blocks: together every request once, each
+    window from both halves of the hour, each in time order with no gap longer than the
+    trace's own."""
+    arrival = np.sort(np.random.default_rng(7).uniform(0, 3_600, 20_000))
+    plan_i, plan_t, plan_s = trace_window(arrival, "plan")
+    verify_i, verify_t, verify_s = trace_window(arrival, "verify")
+    assert sorted([*plan_i, *verify_i]) == list(range(len(arrival)))
+    assert plan_s + verify_s == pytest.approx(arrival[-1] - arrival[0])
+    for i, t, length in ((plan_i, plan_t, plan_s), (verify_i, verify_t, verify_s)):
+        assert (arrival[i] < 1_800).any() and (arrival[i] >= 1_800).any()
+        assert np.all(np.diff(t) >= 0) and 0 <= t[0] and t[-1] <= length
+        assert np.diff(t).max() <= np.diff(arrival).max() + 1e-9
+        assert length == pytest.approx(1_800, abs=TRACE_BLOCK_S)
+    block = np.floor((arrival - arrival[0]) / TRACE_BLOCK_S)
+    assert set(block[plan_i] % 2) == {0} and set(block[verify_i] % 2) == {1}
 
 
 def test_an_unknown_trace_names_the_key_and_the_packaged_ones():
