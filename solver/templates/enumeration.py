@@ -38,13 +38,19 @@ from solver.types import LibPhase, Mode
 
 
 def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-    """(node configs sold in the fleet's regions, listed ones no offer there sells)."""
+    """(node configs sold in the fleet's regions, listed ones no offer there sells).
+
+    A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold there,
+    as the market (`build_market`) prices it: paper-helix's a100-40gbx1, l4x2 and t4x2, which
+    AWS does not sell, are Helix's cluster.
+    """
     if fleet.market.kind == "paper":
         from solver.catalog.paper_market import paper_node_configs
 
         return paper_node_configs(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
     sold = {o.node for o in catalog.offers if (o.cloud, o.region) in regions}
+    sold |= {p.node for p in fleet.prices if (p.cloud, p.region) in regions}
     return [n for n in fleet.node_configs if n in sold], [
         n for n in fleet.node_configs if n not in sold
     ]

@@ -179,3 +179,22 @@ def test_a_format_1_file_is_converted_once_and_says_so(perf, tmp_path, caplog):
     path.write_text(json.dumps(old, separators=(",", ":")) + "\n")
     with pytest.raises(StaleLibraryError, match="rho"):  # rebuilt, not converted
         load_library(tmp_path, perf, stale, "gpt-oss-20b", "decode")
+
+
+def test_node_configs_only_the_stack_prices_are_enumerated(perf):
+    """paper-helix prices Helix's a100-40gbx1, l4x2 and t4x2 itself (AWS sells none): they are
+    in its market, so the library must enumerate them. They used to be dropped as unsold, and
+    Helix's four A100s never reached a template."""
+    from solver.catalog.market import build_market
+    from solver.templates.enumeration import available_node_configs
+
+    fleet = load_stack(STACKS, "paper-helix")
+    own = {p.node for p in fleet.prices}
+    assert {"a100-40gbx1", "l4x2", "t4x2"} <= own
+    sold, unsold = available_node_configs(fleet, perf.catalog)
+    assert own <= set(sold) and unsold == []
+    market = build_market(fleet, perf.catalog)
+    assert {n for (_, n) in market.price} == set(sold)
+    catalog_only = fleet.model_copy(update={"prices": []})
+    _, unsold = available_node_configs(catalog_only, perf.catalog)
+    assert set(unsold) == own
