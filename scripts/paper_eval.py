@@ -405,12 +405,16 @@ def cluster_cost(fleet: FleetConfig, perf: PerfModel) -> float:
 
 
 def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | None]:
-    """Method over Coral: cost (integral and relaxed); Coral's goodput over the method's."""
+    """Method over Coral: cost (integral and relaxed); Coral's goodput over the method's. A
+    baseline that serves nothing has no cost ratio (on Helix's cluster no single node holds
+    Llama-2-70B, so the single-node baselines place nothing)."""
     c, b = rows["coral"], rows[base]
 
     def div(a: float | None, d: float | None) -> float | None:
         return a / d if a is not None and d else None
 
+    if not b["served_fraction"]:
+        return {"cost": None, "cost_relaxed": None, "goodput": None, "served": None, "none": 1}
     return {
         "cost": div(b["usd_per_hour"], c["usd_per_hour"]),
         "cost_relaxed": div(b["relaxed_usd_per_hour"], c["relaxed_usd_per_hour"]),
@@ -445,6 +449,8 @@ def _cell(r: dict[str, float | None] | None, scarce: bool, mark: str = "") -> st
     """'cost (relaxed)' and, when any method serves less than all demand, '; goodput'."""
     if not r:
         return "-"
+    if r.get("none"):
+        return "the baseline serves nothing"
     s = f"{_x(r['cost'])}{mark} ({_x(r['cost_relaxed'])})"
     if scarce:
         s += f"; goodput {_x(r['goodput'])}"
@@ -677,9 +683,13 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {"scenarios": {}, "runs": []}
     for r in results:
         for run in r.get("runs") or [r]:
+            own = (
+                run["scenarios"]  # a combined file's run lists what it planned
+                if "runs" in r
+                else {k: sorted(v["variants"]) for k, v in r["scenarios"].items()}
+            )
             out["runs"].append(
-                {k: run[k] for k in ("commit", "date", "seconds", "workers")}
-                | {"scenarios": {k: sorted(v["variants"]) for k, v in r["scenarios"].items()}}
+                {k: run[k] for k in ("commit", "date", "seconds", "workers")} | {"scenarios": own}
             )
         for key, sc in r["scenarios"].items():
             mine = out["scenarios"].setdefault(key, {**sc, "variants": {}})
