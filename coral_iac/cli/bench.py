@@ -270,9 +270,15 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
         def ratio(a: float, b: float) -> str:
             return f"{a / b:.2f}x" if b > 0 else "-"
 
+        def cost(base: dict[str, Any], coral: dict[str, Any]) -> str:
+            """A baseline that serves nothing (its budget or pools allow none of its
+            replicas) has no cost ratio: its $0 or its idle nodes would read as cheaper."""
+            if not base["served"]:
+                return "serves nothing"
+            return ratio(base["usd_per_hour"], coral["usd_per_hour"])
+
         out.append(
-            f"| {stack} | {mode} | {ratio(h['usd_per_hour'], c['usd_per_hour'])} "
-            f"| {ratio(k['usd_per_hour'], c['usd_per_hour'])} | {ratio(c['goodput'], h['goodput'])} "
+            f"| {stack} | {mode} | {cost(h, c)} | {cost(k, c)} | {ratio(c['goodput'], h['goodput'])} "
             f"| {ratio(c['goodput'], k['goodput'])} | {PAPER.get(stack, '')} |"
         )
     return out

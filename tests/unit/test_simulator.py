@@ -237,9 +237,7 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
     (tmp_path / "stacks").symlink_to(REPO / "stacks")  # the library cache lands in tmp_path
     monkeypatch.chdir(tmp_path)
     out = tmp_path / "bench"
-    r = CliRunner().invoke(
-        app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out)]
-    )
+    r = CliRunner().invoke(app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = (out / "report.md").read_text()
     for method in ("coral", "homo", "cauchy"):
@@ -252,6 +250,30 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
         assert row["worst_model"] >= 0.9 and not row["below_target"], row
     for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_headline_says_a_baseline_that_serves_nothing():
+    """dev-gcp's Homo needs 25 $/h and the budget is 10: it buys nothing. Its cost ratio is
+    no 0.00x (it would read as free), but 'serves nothing'; Cauchy's stays a ratio."""
+    from coral_iac.cli.bench import headline
+
+    def row(method, usd, served, goodput):
+        return {
+            "stack": "s",
+            "mode": "vllm",
+            "method": method,
+            "usd_per_hour": usd,
+            "served": served,
+            "goodput": goodput,
+        }
+
+    rows = [
+        row("coral", 7.35, 1.0, 138.0),
+        row("homo", 0.0, 0.0, 0.0),
+        row("cauchy", 14.7, 1.0, 138.0),
+    ]
+    line = next(x for x in headline(rows) if x.startswith("| s |"))
+    assert line.split(" | ")[2:4] == ["serves nothing", "2.00x"]
 
 
 def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
@@ -322,9 +344,7 @@ def test_cli_bench_reports_a_failed_solve_and_goes_on(tmp_path, monkeypatch):
 
     monkeypatch.setattr(planner_module, "plan_stack", flaky)
     out = tmp_path / "bench"
-    r = CliRunner().invoke(
-        app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out)]
-    )
+    r = CliRunner().invoke(app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = (out / "report.md").read_text()
     assert "| dev | vllm | cauchy | failed |" in report
