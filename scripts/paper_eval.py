@@ -501,6 +501,7 @@ def markdown(result: dict[str, Any]) -> str:
             "are all there, so Coral's cost is an upper bound and the ratio a lower bound on the "
             "full space's.",
         ]
+    out += by_phase(result)
     out += ["", "## GPUs, cost and service per plan", ""]
     out.append(
         "| scenario | variant | method | $/h | relaxed $/h | GPUs (paper: range) | GPUs by type "
@@ -537,6 +538,42 @@ def markdown(result: dict[str, Any]) -> str:
                 out.append(f"- {v} {m} ({row['usd_per_hour']:.2f} $/h): " + "; ".join(parts))
         out.append("")
     return "\n".join(out) + "\n"
+
+
+def by_phase(result: dict[str, Any]) -> list[str]:
+    """Each baseline's $/h over Coral's, split by phase, where every method serves all demand:
+    which phase a ratio comes from. A phase Coral spends little on moves the total little."""
+    out = [
+        "",
+        "## Where the ratios come from: baseline $/h over Coral's, by phase",
+        "",
+        "Rows where every method serves all of the demand. Coral's decode share is decode's part "
+        "of its $/h; the total ratio is the phases' ratios weighted by Coral's shares.",
+        "",
+        "| scenario | variant | Coral's decode share | baseline | prefill | decode | total |",
+        "|---|---|---:|---|---:|---:|---:|",
+    ]
+    for key, sc in result["scenarios"].items():
+        for v, var in sc["variants"].items():
+            ms = var["methods"]
+            coral = ms.get("coral")
+            if coral is None or any(m["served_fraction"] < 0.9999 for m in ms.values()):
+                continue
+            cp = coral["cost_by_phase"]
+            share = cp.get("decode", 0.0) / coral["usd_per_hour"]
+            for base, row in ms.items():
+                if base == "coral":
+                    continue
+                bp = row["cost_by_phase"]
+                cells = [
+                    _x(bp.get(ph, 0.0) / cp[ph]) if cp.get(ph) else "-"
+                    for ph in ("prefill", "decode")
+                ]
+                total = _x(row["usd_per_hour"] / coral["usd_per_hour"])
+                out.append(
+                    f"| {key} | {v} | {share:.0%} | {base} | {' | '.join(cells)} | {total} |"
+                )
+    return out
 
 
 def runs_text(result: dict[str, Any]) -> str:

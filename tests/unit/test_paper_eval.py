@@ -128,3 +128,24 @@ def test_table_builder_on_a_tiny_stack(pe: ModuleType, tmp_path: Path):
     text = pe.markdown(result)
     assert "| tiny | homo | 1.62x cheaper |" in text
     assert f"{cmp['homo']['ours']['cost']:.2f}x" in text
+
+
+def test_by_phase_ratios_compose_to_the_total_and_skip_scarce_rows(pe):
+    """The by-phase table: each phase's baseline/Coral ratio, which weighted by Coral's phase
+    shares gives the total; a scenario where a method serves less than all is left out."""
+
+    def row(prefill: float, decode: float, served: float = 1.0) -> dict[str, Any]:
+        return {
+            "cost_by_phase": {"prefill": prefill, "decode": decode},
+            "usd_per_hour": prefill + decode,
+            "served_fraction": served,
+        }
+
+    result = {
+        "scenarios": {
+            "a": {"variants": {"ours": {"methods": {"coral": row(6, 4), "homo": row(12, 2)}}}},
+            "b": {"variants": {"ours": {"methods": {"coral": row(6, 4), "homo": row(1, 1, 0.5)}}}},
+        }
+    }
+    lines = [x for x in pe.by_phase(result) if x.startswith("| a |") or x.startswith("| b |")]
+    assert lines == ["| a | ours | 40% | homo | 2.00x | 0.50x | 1.40x |"]
