@@ -291,8 +291,9 @@ def node_boots(
         engine: the engine flags every node of the instance shares.
         api_port: the stack's public API port (`deploy.api_port`).
         hf_token_secret: secret-manager name of the Hugging Face token.
-        api_key_secret: secret-manager name of the API key aggregated vLLM servers require
-            (`deploy.api_key_secret`; read at boot, never in user-data).
+        api_key_secret: secret-manager name of the API key every vLLM head requires,
+            aggregated and prefill/decode alike; a decode node's vllm-router gets it as
+            OPENAI_API_KEY (`deploy.api_key_secret`; read at boot, never in user-data).
 
     Returns:
         One `NodeBoot` per node that runs vLLM processes.

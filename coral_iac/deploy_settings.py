@@ -71,7 +71,12 @@ class DeploySettings(BaseModel):
         description="vLLM's --max-model-len, capped at each model card's max_context.",
     )
     gpu_memory_utilization: float = Field(default=0.9, gt=0, le=1)
-    disk_headroom_gb: int = Field(default=100, ge=20, description="Root disk beyond weights.")
+    disk_headroom_gb: int = Field(
+        default=100,
+        ge=20,
+        description="Root disk beyond the model's downloaded files and the vLLM venv "
+        "(coral_iac/model_files.py sizes both): logs, caches, the image itself.",
+    )
     aws_ami_parameter: str = Field(
         default="/aws/service/deeplearning/ami/x86_64/"
         "base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
