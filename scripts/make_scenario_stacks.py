@@ -6,8 +6,8 @@
 - `paper-core-scarce` / `paper-extended-scarce`: GPUs 25% (core) or 75% (extended) above what the
   demand needs (paper Sec. 6.4). "What the demand needs" is the GPU count of Coral's plan for the
   default demand at its SLO attainment targets (`plan_with_library`, as `coral plan`; until
-  2026-12-02 the plan at full batches, which needs about half the GPUs). The paper draws its GPU mix from the Alibaba trace; we keep the catalog's
-  mix instead. Every (region, GPU type) pool is the catalog's GPUs there, scaled by one factor, so
+  2026-12-02 the plan at full batches). The paper draws its GPU mix from the Alibaba trace; we
+  keep the catalog's mix instead. Every (region, GPU type) pool is the catalog's GPUs there, scaled by one factor, so
   the total is (1 + headroom) x that GPU count (each pool rounded up). No GPU type is favoured:
   the pools do not follow
   any method's plan.

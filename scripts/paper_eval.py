@@ -404,7 +404,7 @@ def cluster_cost(fleet: FleetConfig, perf: PerfModel) -> float:
 # ---------------------------------------------------------------- the table
 
 
-def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | None]:
+def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | bool | None]:
     """Method over Coral: cost (integral and relaxed); Coral's goodput over the method's. A
     baseline that serves nothing has no cost ratio (on Helix's cluster no single node holds
     Llama-2-70B, so the single-node baselines place nothing)."""
@@ -414,7 +414,13 @@ def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | None
         return a / d if a is not None and d else None
 
     if not b["served_fraction"]:
-        return {"cost": None, "cost_relaxed": None, "goodput": None, "served": None, "none": 1}
+        return {
+            "cost": None,
+            "cost_relaxed": None,
+            "goodput": None,
+            "served": None,
+            "serves_nothing": True,
+        }
     return {
         "cost": div(b["usd_per_hour"], c["usd_per_hour"]),
         "cost_relaxed": div(b["relaxed_usd_per_hour"], c["relaxed_usd_per_hour"]),
@@ -449,7 +455,7 @@ def _cell(r: dict[str, float | None] | None, scarce: bool, mark: str = "") -> st
     """'cost (relaxed)' and, when any method serves less than all demand, '; goodput'."""
     if not r:
         return "-"
-    if r.get("none"):
+    if r.get("serves_nothing"):
         return "the baseline serves nothing"
     s = f"{_x(r['cost'])}{mark} ({_x(r['cost_relaxed'])})"
     if scarce:

@@ -156,7 +156,7 @@ def trace_window(
     idx = np.nonzero(block % 2 == parity)[0]
     joined = (block[idx] // 2) * TRACE_BLOCK_S + (t[idx] - block[idx] * TRACE_BLOCK_S)
     starts = np.arange(parity, int(span // TRACE_BLOCK_S) + 1, 2) * TRACE_BLOCK_S
-    length = float(np.minimum(starts + TRACE_BLOCK_S, span).clip(min=starts).sum() - starts.sum())
+    length = float(np.clip(span - starts, 0.0, TRACE_BLOCK_S).sum())  # each block inside the span
     return idx, joined, length
 
 
