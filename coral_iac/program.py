@@ -44,6 +44,7 @@ from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
 from coral_iac.infra import Infra, slug
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
+from solver.catalog.offers import Catalog
 from solver.errors import CoralError
 from solver.operations.reconfiguration import FleetState, router_peers, transition
 from solver.performance.default_model import load_perf_model
@@ -144,9 +145,24 @@ def make_plan(
     )
 
 
-def check_deployable(plan: Plan, fleet: FleetConfig) -> None:
+def check_deployable(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> None:
     """Fail the preview (not a node at boot) when the plan cannot run as declared."""
     problems = []
+    unsold = sorted(
+        {
+            (i.cloud, i.region, n)
+            for i in plan.instances
+            for n in i.nodes
+            if not any((o.cloud, o.region) == (i.cloud, i.region) for o in catalog.offers_for(n))
+        }
+    )
+    if unsold:
+        problems.append(
+            "no instance type sells "
+            + ", ".join(f"{n} in {c}:{r}" for c, r, n in unsold)
+            + ": a node priced only under coral:fleet.prices can be planned and simulated, not "
+            "deployed; add the offer to the catalog, or remove the node from node_configs"
+        )
     if fleet.library.mode == "paper":
         problems.append(
             "coral:fleet.library.mode is 'paper': the paper's template space (data-parallel "
@@ -359,7 +375,7 @@ def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
     for o in perf.catalog.offers_for(node):
         if (o.cloud, o.region) == (inst.cloud, inst.region):
             return o
-    raise pulumi.RunError(
+    raise pulumi.RunError(  # check_deployable refuses such a plan first
         f"{inst.key}: no instance type sells {node} in {inst.cloud}:{inst.region} (a price "
         "override without a catalog offer cannot be deployed); add the offer to the catalog"
     )
@@ -409,7 +425,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         plan = make_plan(stack, allocated, deploy, perf, previous, options)
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None
-    check_deployable(plan, fleet)
+    check_deployable(plan, fleet, perf.catalog)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
     state = transition(

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from solver.catalog.offers import load_catalog
 from solver.errors import InputError
 from solver.oracles.placement_ilp import place_ilp
 from solver.plan.demand import stack_demand
@@ -134,9 +135,38 @@ def test_the_program_refuses_paper_mode_and_says_why():
         jobs=[],
         below_target=lambda: [],
         unpaired=lambda: [],
+        instances=[],
     )
     with pytest.raises(pulumi.RunError, match="mode is 'paper'.*stock vLLM runs one TP size"):
-        check_deployable(plan, paper_fleet())  # type: ignore[arg-type]
+        check_deployable(plan, paper_fleet(), load_catalog())  # type: ignore[arg-type]
+
+
+def test_the_program_refuses_nodes_only_the_stack_prices():
+    """paper-helix-aggregated plans a100-40gbx1 nodes, which only its `prices` sell: the
+    preview refuses the plan up front, naming every such node and the fix, instead of failing
+    on the first instance it declares."""
+    import pulumi
+
+    from coral_iac.program import check_deployable
+
+    fleet = paper_fleet().model_copy(
+        update={"library": paper_fleet().library.model_copy(update={"mode": "vllm"})}
+    )
+    inst = SimpleNamespace(cloud="aws", region="us-east-2", nodes=["a100-40gbx1", "l4x1"])
+    plan = SimpleNamespace(
+        binding=[],
+        served_fraction=1.0,
+        jobs=[],
+        below_target=lambda: [],
+        unpaired=lambda: [],
+        instances=[inst],
+    )
+    with pytest.raises(
+        pulumi.RunError, match="no instance type sells a100-40gbx1 in aws:us-east-2:"
+    ):
+        check_deployable(plan, fleet, load_catalog())  # type: ignore[arg-type]
+    inst.nodes = ["l4x1"]
+    check_deployable(plan, fleet, load_catalog())  # type: ignore[arg-type]
 
 
 def test_a_paper_plan_validates_and_prices_on_the_paper_market():
