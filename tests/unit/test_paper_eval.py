@@ -125,6 +125,14 @@ def test_table_builder_on_a_tiny_stack(pe: ModuleType, tmp_path: Path):
     assert cmp["cauchy"]["ours"]["cost_relaxed"] == pytest.approx(
         ours["cauchy"]["relaxed_usd_per_hour"] / ours["coral"]["relaxed_usd_per_hour"]
     )
+    for var in variants.values():  # the decomposition is exact on real plans too
+        ms = var["methods"]
+        for base, row in ms.items():
+            d = pe.decompose(ms["coral"], row)
+            assert d is not None
+            assert d["template"] * d["slo"] * d["whole"] == pytest.approx(
+                row["usd_per_hour"] / ms["coral"]["usd_per_hour"]
+            )
     text = pe.markdown(result)
     assert "| tiny | homo | 1.62x cheaper |" in text
     assert f"{cmp['homo']['ours']['cost']:.2f}x" in text
@@ -149,3 +157,51 @@ def test_by_phase_ratios_compose_to_the_total_and_skip_scarce_rows(pe):
     }
     lines = [x for x in pe.by_phase(result) if x.startswith("| a |") or x.startswith("| b |")]
     assert lines == ["| a | ours | 40% | homo | 2.00x | 0.50x | 1.40x |"]
+
+
+def test_decomposition_multiplies_to_the_ratio_and_names_each_part(pe):
+    """template x SLO discount x whole instances = the baseline's $/h over Coral's, each part a
+    quotient of costs over the same needs; rows serving less than all have no decomposition."""
+
+    def job(usd: float, lib: float, cap: float, need: float) -> dict[str, float]:
+        return {"usd_per_hour": usd, "library_throughput": lib, "capacity": cap, "need": need}
+
+    coral = {
+        "served_fraction": 1.0,
+        "jobs": {"m/prefill": job(10, 1000, 500, 400), "m/decode": job(5, 100, 80, 80)},
+    }
+    base = {
+        "served_fraction": 1.0,
+        "jobs": {"m/prefill": job(40, 2000, 500, 400), "m/decode": job(5, 100, 80, 80)},
+    }
+    pre = pe.decompose(coral, base, "prefill")
+    # $/T̂ doubles (40/2000 vs 10/1000), T̂ per capacity doubles (4 vs 2), need/capacity same.
+    assert pre == pytest.approx({"cost": 4.0, "template": 2.0, "slo": 2.0, "whole": 1.0})
+    total = pe.decompose(coral, base)
+    assert total["cost"] == pytest.approx(45 / 15)
+    assert total["template"] * total["slo"] * total["whole"] == pytest.approx(total["cost"])
+    assert pe.decompose(coral, {**base, "served_fraction": 0.5}) is None
+    lines = pe.factor_table(
+        {"scenarios": {"s": {"variants": {"v": {"methods": {"coral": coral, "homo": base}}}}}}
+    )
+    assert "| s | v | homo | prefill | 4.00x | 2.00x | 2.00x | 1.00x |" in lines
+
+
+def test_scarce_pools_cover_every_gpu_the_paper_market_sells(pe):
+    """The paper market sells H100/A100 in every region; a scarce stack's pools list only what
+    the real catalog sells. In the paper variant the unlisted (region, GPU) pairs get 0 GPUs,
+    so the scarce plan cannot buy outside the pools (it used to plan as the default one)."""
+    cat = perf().catalog
+    sc = next(s for s in pe.SCENARIOS if s.key == "extended/scarce")
+    committed = pe.load_stack(ROOT / "stacks", sc.stack)
+    fleet = pe.scenario_fleet(sc, "paper", ROOT / "stacks", cat)
+    pools = {(p.cloud, p.region, p.gpu): p.gpus for p in fleet.gpu_pools}
+    for p in committed.gpu_pools:
+        assert pools[(p.cloud, p.region, p.gpu)] == p.gpus
+    assert pools[("aws", "ap-northeast-2", "h100")] == 0
+    assert pools[("aws", "us-east-2", "a100-80gb")] == 0
+    market = pe.build_market(fleet, cat)
+    sold = {(r, market.gpu_of[n][0]) for r, n in market.price}
+    assert sold <= set(market.gpu_pools)
+    default = next(s for s in pe.SCENARIOS if s.key == "extended/default")
+    assert not pe.scenario_fleet(default, "paper", ROOT / "stacks", cat).gpu_pools
