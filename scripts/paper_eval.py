@@ -181,6 +181,19 @@ def heavy_variant(fleet: FleetConfig, heavy: tuple[str, ...]) -> FleetConfig:
     return fleet.model_copy(update={"models": models})
 
 
+def scale_demand(fleet: FleetConfig, k: float) -> FleetConfig:
+    """Every model's requests/s times `k` (`--demand-scale`: plans at another GPU count)."""
+    if k == 1.0:
+        return fleet
+    models = {}
+    for m, spec in fleet.models.items():
+        if spec.demand is None or spec.demand.requests_per_s is None:
+            raise ValueError(f"{m}: --demand-scale needs requests_per_s demand")
+        demand = spec.demand.model_copy(update={"requests_per_s": spec.demand.requests_per_s * k})
+        models[m] = spec.model_copy(update={"demand": demand})
+    return fleet.model_copy(update={"models": models})
+
+
 def scenario_fleet(
     sc: Scenario, variant: str, stacks: Path, catalog: Catalog, n_max: int | None = None
 ) -> FleetConfig:
@@ -791,6 +804,8 @@ def runs_text(result: dict[str, Any]) -> str:
         what = ""
         if "scenarios" in r and "runs" in result:
             what = ": " + ", ".join(f"{k} {'+'.join(v)}" for k, v in r["scenarios"].items())
+        scale = r.get("demand_scale", 1.0)
+        what += f", demand x{scale:g}" if scale != 1.0 else ""
         parts.append(
             f"{r['commit']}, {r['date']}, {r['seconds']:.0f} s wall, {r['workers']} workers{what}"
         )
@@ -824,12 +839,14 @@ def run_scenario(
     cache: Path,
     log: Any = print,
     paper_n_max: dict[str, int] | None = None,
+    demand_scale: float = 1.0,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"setup": sc.setup, "stack": sc.stack, "heavy": list(sc.heavy)}
     out["paper"] = sc.paper
     out["variants"] = {}
     for v in variants:
         fleet = scenario_fleet(sc, v, stacks, perf.catalog, (paper_n_max or {}).get(sc.setup))
+        fleet = scale_demand(fleet, demand_scale)
         name = sc.stack + ("-" + "-".join(sc.heavy) + "-heavy" if sc.heavy else "")
         methods = {}
         t0 = time.perf_counter()
@@ -868,6 +885,10 @@ def main(
         list[Path] | None,
         typer.Option(help="Render from earlier runs' table.json files (merged) instead."),
     ] = None,
+    demand_scale: Annotated[
+        float,
+        typer.Option(help="Every model's requests/s times this (e.g. 3: the paper's GPU counts)."),
+    ] = 1.0,
 ) -> None:
     """Plan every scenario's variants with their methods and write the comparison table."""
     import subprocess
@@ -897,10 +918,13 @@ def main(
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
+    if not demand_scale > 0:
+        raise typer.BadParameter(f"{demand_scale}: give a factor > 0", param_hint="--demand-scale")
     result: dict[str, Any] = {
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
         "workers": workers,
+        "demand_scale": demand_scale,
     }
     result["scenarios"] = {}
     for sc in SCENARIOS:
@@ -914,6 +938,7 @@ def main(
                 CACHE,
                 log=lambda s: print(s, flush=True),
                 paper_n_max=n_max,
+                demand_scale=demand_scale,
             )
             result["seconds"] = time.perf_counter() - t0
             if out is not None:  # what is done so far survives a later failure
@@ -933,7 +958,8 @@ def combined(results: list[dict[str, Any]]) -> dict[str, Any]:
                 else {k: sorted(v["variants"]) for k, v in r["scenarios"].items()}
             )
             out["runs"].append(
-                {k: run[k] for k in ("commit", "date", "seconds", "workers")} | {"scenarios": own}
+                {k: run[k] for k in ("commit", "date", "seconds", "workers")}
+                | {"scenarios": own, "demand_scale": run.get("demand_scale", 1.0)}
             )
         for key, sc in r["scenarios"].items():
             mine = out["scenarios"].setdefault(key, {**sc, "variants": {}})

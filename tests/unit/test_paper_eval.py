@@ -205,3 +205,18 @@ def test_scarce_pools_cover_every_gpu_the_paper_market_sells(pe):
     assert sold <= set(market.gpu_pools)
     default = next(s for s in pe.SCENARIOS if s.key == "extended/default")
     assert not pe.scenario_fleet(default, "paper", ROOT / "stacks", cat).gpu_pools
+
+
+def test_demand_scale_multiplies_every_model_and_is_named_in_the_header(pe):
+    cat = perf().catalog
+    sc = next(s for s in pe.SCENARIOS if s.key == "extended/default")
+    fleet = pe.scenario_fleet(sc, "paper", ROOT / "stacks", cat)
+    assert pe.scale_demand(fleet, 1.0) is fleet
+    tripled = pe.scale_demand(fleet, 3.0)
+    for m, spec in fleet.models.items():
+        assert tripled.models[m].demand.requests_per_s == pytest.approx(
+            3 * spec.demand.requests_per_s
+        )
+    run = {"commit": "c", "date": "d", "seconds": 1.0, "workers": 2, "demand_scale": 3.0}
+    assert "demand x3" in pe.runs_text(run)
+    assert "demand x" not in pe.runs_text(run | {"demand_scale": 1.0})
