@@ -16,6 +16,12 @@ verified attainment, per model). Each ratio twice: with whole instances (the pla
 (`relaxed_cost`: the LP relaxation of the allocation ILP for coral and cauchy, the greedy's own
 templates at fractional counts for homo, homo-paper and cauchy-paper).
 
+Each ratio is also split into three exact factors (`decompose`): the bought templates' $ per
+library T̂, our SLO capacity discount, and whole instances. A scarce stack's GPU pools are made
+exhaustive in the paper setup (`exhaustive_pools`): the paper market sells H100/A100 in regions
+whose pools the stack does not list. `--demand-scale K` plans every scenario at K x its
+requests/s.
+
 The core large-heavy and small-heavy scenarios have no committed stack: they are paper-core with
 its 30 requests/s split 80% to qwen3-32b (phi-4) and 10% to each other model, the rule of
 `scripts/make_scenario_stacks.py`. paper-helix's paper variant keeps its AWS prices (Table 1 has
