@@ -209,6 +209,7 @@ def helix_sweep(perf: PerfModel, workers: int, log: Any) -> list[dict[str, Any]]
             "cost_over_cluster": round(p.plan.hourly_cost_usd / cluster, 3),
             "gpus": p.plan.gpus(perf.catalog),
             "min_verified": summary(p.plan, fleet)["min_verified"],
+            "binding": p.plan.binding,
         }
         rows.append(row)
         log(f"helix x{load}: {row}")
@@ -422,14 +423,15 @@ def markdown(result: dict[str, Any]) -> str:
             "GPUs unused.",
             "",
             "| load | req/s | served | served req/s | Coral $/h | over the cluster | GPUs | "
-            "min verified |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "min verified | binding |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|",
         ]
         for r in sweep:
             out.append(
                 f"| x{r['load']:g} | {r['requests_per_s']:g} | {_pct(r['served_fraction'])} | "
                 f"{r['served_requests_per_s']:g} | {r['usd_per_hour']:.2f} | "
-                f"{r['cost_over_cluster']:.2f} | {r['gpus']} | {_pct(r['min_verified'])} |"
+                f"{r['cost_over_cluster']:.2f} | {r['gpus']} | {_pct(r['min_verified'])} | "
+                f"{'; '.join(r.get('binding', [])) or '-'} |"
             )
     return "\n".join(out) + "\n"
 
