@@ -555,10 +555,6 @@ def _cell(r: dict[str, float | None] | None, scarce: bool, mark: str = "") -> st
     return s
 
 
-def _pct(v: float | None) -> str:
-    return "-" if v is None else f"{v:.0%}"
-
-
 def _paper_cell(p: dict[str, Any] | None) -> str:
     return p["text"] if p else "-"
 
@@ -750,55 +746,6 @@ def factor_table(result: dict[str, Any]) -> list[str]:
                         f"| {key} | {v} | {base} | {phase or '**total**'} | {_x(d['cost'])} | "
                         f"{_x(d['template'])} | {_x(d['slo'])} | {_x(d['whole'])} |"
                     )
-    return out
-
-
-def full_batch_table(result: dict[str, Any]) -> list[str]:
-    """Each ratio again with every template at its library T̂ (the paper's capacity model)."""
-    out = [
-        "",
-        "## Ablation: the ratios at library T̂ (the paper's capacity model)",
-        "",
-        "Every method solved once more with each template at its library T̂ (full batches at "
-        "the per-stage latency budget, no queueing: the capacity the paper's ILP uses) instead "
-        "of its capacity at the SLO attainment target, then simulated on the verification "
-        "window like every plan. Cells: baseline $/h over Coral's, at the target (as above) "
-        "and at T̂; at T̂ also the lowest attainment of any model, Coral's / the baseline's "
-        "(every target here is 90%).",
-        "",
-        "| scenario | vs | paper | paper setup: at target | paper setup: at T̂ | ours: at target "
-        "| ours: at T̂ |",
-        "|---|---|---|---:|---:|---:|---:|",
-    ]
-
-    def cell(var: dict[str, Any] | None, base: str, full: bool) -> str:
-        if not var or base not in var["methods"]:
-            return "-"
-        c, b = var["methods"]["coral"], var["methods"][base]
-        if full:
-            c, b = c.get("full_batch"), b.get("full_batch")
-            if not c or not b:
-                return "-"
-        if not b["served_fraction"]:
-            return "serves nothing"
-        s = _x(b["usd_per_hour"] / c["usd_per_hour"]) if c["usd_per_hour"] else "-"
-        if min(b["served_fraction"], c["served_fraction"]) < 0.9999:
-            s += f" (served {c['served_fraction']:.0%} / {b['served_fraction']:.0%})"
-        if full:
-            s += f"; verified {_pct(c.get('min_verified'))} / {_pct(b.get('min_verified'))}"
-        return s
-
-    for key, sc in result["scenarios"].items():
-        if "helix" in sc["paper"]:
-            continue
-        p, o = sc["variants"].get("paper"), sc["variants"].get("ours")
-        for base in ("homo", "cauchy"):
-            pb, ob = BASELINES["paper"][base == "cauchy"], BASELINES["ours"][base == "cauchy"]
-            out.append(
-                f"| {key} | {base} | {_paper_cell(sc['paper'].get(base))} | "
-                f"{cell(p, pb, False)} | {cell(p, pb, True)} | {cell(o, ob, False)} | "
-                f"{cell(o, ob, True)} |"
-            )
     return out
 
 
