@@ -27,7 +27,8 @@ scenarios (their plans take seconds, so every probe runs on every method):
 Writes `explain.md` and `explain.json` (default `docs/bench/paper/`; `--merge` keeps the other
 scenarios of an existing explain.json there).
 
-Run: .venv/bin/python scripts/paper_explain.py [--scenario core/default ...] [--out DIR]
+Run: .venv/bin/python scripts/paper_explain.py [--scenario core/default ...] [--variant paper]
+         [--out DIR] [--merge]
 """
 
 from __future__ import annotations
@@ -234,7 +235,9 @@ def summary(plan: Plan, fleet: FleetConfig) -> dict[str, Any]:
     }
 
 
-def run(keys: list[str], perf: PerfModel, workers: int, log: Any) -> dict[str, Any]:
+def run(
+    keys: list[str], perf: PerfModel, workers: int, log: Any, variants: list[str] | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     if "helix" in keys:
         out["helix"] = {"sweep": helix_sweep(perf, workers, log)}
@@ -242,7 +245,7 @@ def run(keys: list[str], perf: PerfModel, workers: int, log: Any) -> dict[str, A
         if sc.key not in keys or sc.key == "helix":
             continue
         out[sc.key] = {}
-        for v in pe.VARIANTS:
+        for v in variants or list(pe.VARIANTS):
             fleet = pe.scenario_fleet(
                 sc, v, pe.ROOT / "stacks", perf.catalog, pe.PAPER_N_MAX.get(sc.setup)
             )
@@ -445,6 +448,7 @@ def main(
     merge: Annotated[
         bool, typer.Option(help="Keep the other scenarios of an explain.json already in --out.")
     ] = False,
+    variant: Annotated[list[str] | None, typer.Option(help="paper and/or ours.")] = None,
 ) -> None:
     """Run the probes on the core scenarios and write explain.md and explain.json."""
     keys = scenario or list(CORE)
@@ -452,6 +456,9 @@ def main(
     bad = [k for k in keys if k not in known]
     if bad:
         raise typer.BadParameter(f"{bad}: choose from {known}", param_hint="--scenario")
+    odd = [v for v in variant or [] if v not in pe.VARIANTS]
+    if odd:
+        raise typer.BadParameter(f"{odd}: choose from {list(pe.VARIANTS)}", param_hint="--variant")
     t0 = time.perf_counter()
     perf = load_perf_model()
     commit = subprocess.run(
@@ -461,14 +468,16 @@ def main(
         "commit": commit,
         "date": time.strftime("%Y-%m-%d"),
         "margin": MARGIN,
-        "scenarios": run(keys, perf, workers, lambda s: print(s, flush=True)),
+        "scenarios": run(keys, perf, workers, lambda s: print(s, flush=True), variant),
     }
     result["seconds"] = round(time.perf_counter() - t0, 1)
     result["runs"] = [{k: result[k] for k in ("commit", "date", "seconds")} | {"scenarios": keys}]
     earlier = out / "explain.json"
     if merge and earlier.exists():
         old = json.loads(earlier.read_text(encoding="utf-8"))
-        result["scenarios"] = {**old["scenarios"], **result["scenarios"]}
+        for key, sc in result["scenarios"].items():  # later runs win per scenario and variant
+            old["scenarios"][key] = {**old["scenarios"].get(key, {}), **sc}
+        result["scenarios"] = old["scenarios"]
         result["runs"] = [*old.get("runs", []), *result["runs"]]
     text = markdown(result)
     print(text)
