@@ -48,6 +48,7 @@ from solver.allocation.baselines import cauchy_columns
 from solver.allocation.problem import make_columns
 from solver.catalog.market import Market, build_market
 from solver.catalog.offers import Catalog
+from solver.io import write_atomic
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.attainment import plan_to_target, simulate_workload
@@ -932,11 +933,13 @@ def write(result: dict[str, Any], out: Path | None, quiet: bool = False) -> None
     if not quiet:
         print(text)
     if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "table.md").write_text(text, encoding="utf-8")
-        (out / "table.json").write_text(
-            json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8"
-        )
+        save_report(out, "table", text, result)
+
+
+def save_report(out: Path, stem: str, text: str, result: dict[str, Any]) -> None:
+    """`<stem>.md` and `<stem>.json` under `out`, each written whole (`write_atomic`)."""
+    write_atomic(out / f"{stem}.md", text)
+    write_atomic(out / f"{stem}.json", json.dumps(result, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":

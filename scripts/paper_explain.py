@@ -481,11 +481,7 @@ def main(
         result["runs"] = [*old.get("runs", []), *result["runs"]]
     text = markdown(result)
     print(text)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "explain.md").write_text(text, encoding="utf-8")
-    (out / "explain.json").write_text(
-        json.dumps(result, indent=1, sort_keys=True) + "\n", encoding="utf-8"
-    )
+    pe.save_report(out, "explain", text, result)
 
 
 if __name__ == "__main__":
