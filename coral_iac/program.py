@@ -153,7 +153,7 @@ def check_deployable(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> None:
             (i.cloud, i.region, n)
             for i in plan.instances
             for n in i.nodes
-            if not any((o.cloud, o.region) == (i.cloud, i.region) for o in catalog.offers_for(n))
+            if catalog.offer_in(n, i.cloud, i.region) is None
         }
     )
     if unsold:
@@ -372,9 +372,9 @@ def _has_endpoint(plan: Plan, inst: Instance) -> bool:
 
 
 def _offer(perf: PerfModel, inst: Instance, node: str) -> Any:
-    for o in perf.catalog.offers_for(node):
-        if (o.cloud, o.region) == (inst.cloud, inst.region):
-            return o
+    offer = perf.catalog.offer_in(node, inst.cloud, inst.region)
+    if offer is not None:
+        return offer
     raise pulumi.RunError(  # check_deployable refuses such a plan first
         f"{inst.key}: no instance type sells {node} in {inst.cloud}:{inst.region} (a price "
         "override without a catalog offer cannot be deployed); add the offer to the catalog"

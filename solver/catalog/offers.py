@@ -184,6 +184,12 @@ class Catalog(BaseModel):
     def offers_for(self, node: NodeId) -> list[Offer]:
         return [o for o in self.offers if o.node == node]
 
+    def offer_in(self, node: NodeId, cloud: str, region: str) -> Offer | None:
+        """The instance type that sells `node` in (cloud, region); None when none does."""
+        return next(
+            (o for o in self.offers_for(node) if (o.cloud, o.region) == (cloud, region)), None
+        )
+
     @property
     def regions(self) -> list[tuple[str, str]]:
         """(cloud, region) pairs with at least one offer, sorted."""
