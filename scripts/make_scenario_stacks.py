@@ -7,10 +7,9 @@
   demand needs (paper Sec. 6.4). "What the demand needs" is the GPU count of Coral's plan for the
   default demand at its SLO attainment targets (`plan_with_library`, as `coral plan`; until
   2026-12-02 the plan at full batches). The paper draws its GPU mix from the Alibaba trace; we
-  keep the catalog's mix instead. Every (region, GPU type) pool is the catalog's GPUs there, scaled by one factor, so
-  the total is (1 + headroom) x that GPU count (each pool rounded up). No GPU type is favoured:
-  the pools do not follow
-  any method's plan.
+  keep the catalog's mix instead. Every (region, GPU type) pool is the catalog's GPUs there,
+  scaled by one factor, so the total is (1 + headroom) x that GPU count (each pool rounded up).
+  No GPU type is favoured: the pools do not follow any method's plan.
 
 Run after changing a base stack: `.venv/bin/python scripts/make_scenario_stacks.py`.
 """

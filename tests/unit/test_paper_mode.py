@@ -124,19 +124,24 @@ def test_mode_option_accepts_paper():
         f.with_mode("helix")
 
 
-def test_the_program_refuses_paper_mode_and_says_why():
-    import pulumi
-
-    from coral_iac.program import check_deployable
-
-    plan = SimpleNamespace(
+def stub_plan(instances: list[Any]) -> Any:
+    """A plan with nothing short, unpaired or binding, for check_deployable's own checks."""
+    return SimpleNamespace(
         binding=[],
         served_fraction=1.0,
         jobs=[],
         below_target=lambda: [],
         unpaired=lambda: [],
-        instances=[],
+        instances=instances,
     )
+
+
+def test_the_program_refuses_paper_mode_and_says_why():
+    import pulumi
+
+    from coral_iac.program import check_deployable
+
+    plan = stub_plan([])
     with pytest.raises(pulumi.RunError, match="mode is 'paper'.*stock vLLM runs one TP size"):
         check_deployable(plan, paper_fleet(), load_catalog())  # type: ignore[arg-type]
 
@@ -149,18 +154,9 @@ def test_the_program_refuses_nodes_only_the_stack_prices():
 
     from coral_iac.program import check_deployable
 
-    fleet = paper_fleet().model_copy(
-        update={"library": paper_fleet().library.model_copy(update={"mode": "vllm"})}
-    )
+    fleet = paper_fleet(library={"mode": "vllm"})
     inst = SimpleNamespace(cloud="aws", region="us-east-2", nodes=["a100-40gbx1", "l4x1"])
-    plan = SimpleNamespace(
-        binding=[],
-        served_fraction=1.0,
-        jobs=[],
-        below_target=lambda: [],
-        unpaired=lambda: [],
-        instances=[inst],
-    )
+    plan = stub_plan([inst])
     with pytest.raises(
         pulumi.RunError, match="no instance type sells a100-40gbx1 in aws:us-east-2:"
     ):
