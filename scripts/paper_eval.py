@@ -51,7 +51,7 @@ from solver.catalog.offers import Catalog
 from solver.io import write_atomic
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
-from solver.plan.attainment import plan_to_target, simulate_workload
+from solver.plan.attainment import plan_to_target
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.planner import _at_capacity, libraries_for, plan_stack
 from solver.plan.schema import Method, Plan, template_ref
@@ -201,6 +201,11 @@ def scale_demand(fleet: FleetConfig, k: float) -> FleetConfig:
     return fleet.model_copy(update={"models": models})
 
 
+def scenario_name(sc: Scenario) -> str:
+    """The stack name a scenario plans under (a heavy variant's says which models are heavy)."""
+    return sc.stack + ("-" + "-".join(sc.heavy) + "-heavy" if sc.heavy else "")
+
+
 def scenario_fleet(
     sc: Scenario, variant: str, stacks: Path, catalog: Catalog, n_max: int | None = None
 ) -> FleetConfig:
@@ -252,7 +257,6 @@ class Planned:
     factors: dict[str, float]  # the capacity factors the returned plan was solved with
     libs: dict[Job, Library]
     seconds: float
-    full_batch: Plan | None = None  # the same method at library T̂ (the paper's capacity model)
 
 
 def plan_recorded(
@@ -263,11 +267,9 @@ def plan_recorded(
     method: Method,
     workers: int,
     root: Path = ROOT,
-    full_batch: bool = False,
 ) -> Planned:
     """`plan_with_library`'s steps (libraries, closed loop and verification, validation), also
-    returning the capacity factors of the round the loop kept, for the LP relaxation;
-    `full_batch`: also the same method solved once at library T̂ (`scripts/paper_explain.py`)."""
+    returning the capacity factors of the round the loop kept, for the LP relaxation."""
     t0 = time.perf_counter()
     libs = libraries_for(
         perf, fleet, list(stack_demand(fleet)), directory, True, workers, stack=name, force=True
@@ -292,11 +294,7 @@ def plan_recorded(
         template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
     }
     plan = validate_plan(plan, fleet, perf.catalog, perf.cards, library)
-    seconds = time.perf_counter() - t0
-    # The ablation of our SLO capacity model: every template at its library T̂, the capacity the
-    # paper's ILP gives it (per-stage latency budgets, no queueing), one solve, not verified.
-    full = plan_stack(name, fleet, perf.catalog, libs, None, method, None) if full_batch else None
-    return Planned(plan, factors, libs, seconds, full)
+    return Planned(plan, factors, libs, time.perf_counter() - t0)
 
 
 # ---------------------------------------------------------------- granularity
@@ -404,9 +402,6 @@ def goodput(plan: Plan, fleet: FleetConfig) -> float:
 def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -> dict[str, Any]:
     """What the table and the explanations need from one plan."""
     plan, cat = p.plan, perf.catalog
-    by_phase: dict[str, float] = {}
-    for i in plan.instances:
-        by_phase[i.phase] = by_phase.get(i.phase, 0.0) + i.usd_per_hour
     gpus_by_type: dict[str, int] = {}
     bought: dict[str, dict[str, int]] = {}
     for i in plan.instances:
@@ -430,7 +425,7 @@ def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -
             (a.verified for a in plan.attainment if a.verified is not None), default=None
         ),
         "below_target": [a.model for a in plan.below_target()],
-        "cost_by_phase": {k: round(v, 4) for k, v in sorted(by_phase.items())},
+        "cost_by_phase": cost_by_phase(plan),
         "cost_by_model": plan.cost_by_model,
         "instances": len(plan.instances),
         "multi_node_instances": multi,
@@ -440,29 +435,15 @@ def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -
         },
         "plan_seconds": round(p.seconds, 1),
         "jobs": job_breakdown(plan, fleet),
-        "full_batch": None if p.full_batch is None else full_batch_row(p.full_batch, fleet, perf),
     }
 
 
-def full_batch_row(plan: Plan, fleet: FleetConfig, perf: PerfModel) -> dict[str, Any]:
-    """The plan at library T̂: its cost, and the lowest attainment of any model when simulated
-    on the verification window (the simulator's verdict on the paper's capacity model)."""
-    minutes = fleet.attainment.verify_minutes
-    sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, ROOT) if minutes else None
-    verified = {
-        m: float(r.met.mean()) for m, r in (sim.models if sim else {}).items() if len(r.met)
-    }
+def cost_by_phase(plan: Plan) -> dict[str, float]:
+    """$/hour per phase, rounded, in phase order."""
     by_phase: dict[str, float] = {}
     for i in plan.instances:
         by_phase[i.phase] = by_phase.get(i.phase, 0.0) + i.usd_per_hour
-    return {
-        "usd_per_hour": plan.hourly_cost_usd,
-        "served_fraction": plan.served_fraction,
-        "gpus": plan.gpus(perf.catalog),
-        "cost_by_phase": {k: round(v, 4) for k, v in sorted(by_phase.items())},
-        "verified": {m: round(v, 4) for m, v in sorted(verified.items())},
-        "min_verified": round(min(verified.values()), 4) if verified else None,
-    }
+    return {k: round(v, 4) for k, v in sorted(by_phase.items())}
 
 
 def job_breakdown(plan: Plan, fleet: FleetConfig) -> dict[str, dict[str, float]]:
@@ -801,7 +782,7 @@ def run_scenario(
     for v in variants:
         fleet = scenario_fleet(sc, v, stacks, perf.catalog, (paper_n_max or {}).get(sc.setup))
         fleet = scale_demand(fleet, demand_scale)
-        name = sc.stack + ("-" + "-".join(sc.heavy) + "-heavy" if sc.heavy else "")
+        name = scenario_name(sc)
         methods = {}
         t0 = time.perf_counter()
         for method in VARIANTS[v]:

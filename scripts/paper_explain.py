@@ -53,6 +53,7 @@ from solver.plan.attainment import (  # noqa: E402
     _scaled,
     _verified,
     base_factors,
+    simulate_workload,
 )
 from solver.plan.planner import plan_stack  # noqa: E402
 from solver.plan.schema import Method, Plan  # noqa: E402
@@ -80,11 +81,7 @@ def tighten(
         return plan_stack(name, fleet, perf.catalog, p.libs, None, method, factors)
 
     loop = _Loop(fleet, perf, base_factors(fleet, p.libs, pe.ROOT, cache), solve, pe.ROOT, None)
-    head: dict[Job, float] = {job: 1.0 for job in p.libs}
-    for a in p.plan.attainment:
-        for job in head:
-            if job[0] == a.model and job[1] in a.headroom:
-                head[job] = a.headroom[job[1]]
+    head = headroom_of(p.plan, p.libs)
     plan, planned, _ = loop.run(head)
     trials = 1
     if not plan.instances or loop.short(planned):
@@ -110,17 +107,23 @@ def tighten(
     return _verified(plan, fleet, perf, planned, head, pe.ROOT), trials
 
 
+def headroom_of(plan: Plan, libs: dict[Job, Any]) -> dict[Job, float]:
+    """The closed loop's final correction per (model, phase) as the plan records it (1: none)."""
+    head = {job: 1.0 for job in libs}
+    for a in plan.attainment:
+        for job in head:
+            if job[0] == a.model and job[1] in a.headroom:
+                head[job] = a.headroom[job[1]]
+    return head
+
+
 def at_headroom(
     name: str, fleet: FleetConfig, perf: PerfModel, p: pe.Planned, other: Plan, cache: Path
 ) -> Plan:
     """Coral's ILP at another method's final closed-loop corrections (its headroom per model and
     phase), verified: whether Coral serving less than a baseline comes from the loop's end state
     rather than from its columns (Coral's columns include the baseline's)."""
-    head: dict[Job, float] = {job: 1.0 for job in p.libs}
-    for a in other.attainment:
-        for job in head:
-            if job[0] == a.model and job[1] in a.headroom:
-                head[job] = a.headroom[job[1]]
+    head = headroom_of(other, p.libs)
     factors = _scaled(base_factors(fleet, p.libs, pe.ROOT, cache), head)
     plan = plan_stack(name, fleet, perf.catalog, p.libs, None, "coral", factors)
     return _verified(plan, fleet, perf, {}, head, pe.ROOT)
@@ -183,24 +186,17 @@ HELIX_SATURATED = 0.9  # served fraction below which the cluster is taken as ful
 
 def helix_sweep(perf: PerfModel, workers: int, log: Any) -> list[dict[str, Any]]:
     """Coral on Helix's cluster (paper setup) at the stack's 4 req/s times each of HELIX_LOADS,
-    until it serves less than HELIX_SATURATED of it: how much of the cluster the demand needs, and the
-    most the cluster serves at the SLO target (the paper's Coral used 57 of the 64 GPUs)."""
+    until it serves less than HELIX_SATURATED of it: how much of the cluster the demand needs,
+    and the most the cluster serves at the SLO target (the paper's Coral used 57 of 64 GPUs)."""
     sc = next(s for s in pe.SCENARIOS if s.key == "helix")
     base = pe.scenario_fleet(sc, "paper", pe.ROOT / "stacks", perf.catalog)
     cluster = pe.cluster_cost(base, perf)
     rows = []
     for load in HELIX_LOADS:
-        models = {}
-        for m, spec in base.models.items():
-            assert spec.demand is not None and spec.demand.requests_per_s is not None
-            demand = spec.demand.model_copy(
-                update={"requests_per_s": spec.demand.requests_per_s * load}
-            )
-            models[m] = spec.model_copy(update={"demand": demand})
-        fleet = base.model_copy(update={"models": models})
+        fleet = pe.scale_demand(base, load)
         directory = pe.library_dir(pe.CACHE, fleet, "helix", "paper")
         p = pe.plan_recorded("paper-helix", fleet, perf, directory, "coral", workers)
-        rps = sum(s.demand.requests_per_s or 0.0 for s in models.values() if s.demand)
+        rps = sum(s.demand.requests_per_s or 0.0 for s in fleet.models.values() if s.demand)
         row = {
             "load": load,
             "requests_per_s": rps,
@@ -220,6 +216,24 @@ def helix_sweep(perf: PerfModel, workers: int, log: Any) -> list[dict[str, Any]]
 
 
 # ---------------------------------------------------------------- the run
+
+
+def full_batch_row(plan: Plan, fleet: FleetConfig, perf: PerfModel) -> dict[str, Any]:
+    """The plan at library T̂: its cost, and each model's attainment when simulated on the
+    verification window (the simulator's verdict on the paper's capacity model)."""
+    minutes = fleet.attainment.verify_minutes
+    sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, pe.ROOT) if minutes else None
+    verified = {
+        m: float(r.met.mean()) for m, r in (sim.models if sim else {}).items() if len(r.met)
+    }
+    return {
+        "usd_per_hour": plan.hourly_cost_usd,
+        "served_fraction": plan.served_fraction,
+        "gpus": plan.gpus(perf.catalog),
+        "cost_by_phase": pe.cost_by_phase(plan),
+        "verified": {m: round(v, 4) for m, v in sorted(verified.items())},
+        "min_verified": round(min(verified.values()), 4) if verified else None,
+    }
 
 
 def summary(plan: Plan, fleet: FleetConfig) -> dict[str, Any]:
@@ -249,21 +263,22 @@ def run(
             fleet = pe.scenario_fleet(
                 sc, v, pe.ROOT / "stacks", perf.catalog, pe.PAPER_N_MAX.get(sc.setup)
             )
-            name = sc.stack + ("-" + "-".join(sc.heavy) + "-heavy" if sc.heavy else "")
+            name = pe.scenario_name(sc)
             directory = pe.library_dir(pe.CACHE, fleet, sc.setup, v)
             rows: dict[str, Any] = {}
             planned: dict[str, pe.Planned] = {}
             for method in pe.VARIANTS[v]:
                 t0 = time.perf_counter()
-                p = pe.plan_recorded(name, fleet, perf, directory, method, workers, full_batch=True)
+                p = pe.plan_recorded(name, fleet, perf, directory, method, workers)
                 planned[method] = p
                 tight, trials = tighten(name, fleet, perf, p, method, directory)
-                assert p.full_batch is not None
+                # Every template at its library T̂: the capacity the paper's ILP gives it.
+                full = plan_stack(name, fleet, perf.catalog, p.libs, None, method, None)
                 rows[method] = {
                     "loop": summary(p.plan, fleet),
                     "tightened": summary(tight, fleet),
                     "trials": trials,
-                    "full_batch": pe.full_batch_row(p.full_batch, fleet, perf),
+                    "full_batch": full_batch_row(full, fleet, perf),
                     "seconds": round(time.perf_counter() - t0, 1),
                 }
                 if method.startswith("homo") and v == "paper":
@@ -331,7 +346,11 @@ def markdown(result: dict[str, Any]) -> str:
     ]
     for key, sc in res.items():
         for v in pe.VARIANTS:
-            for m, r in sc.get(v, {}).items():
+            rows = sc.get(v, {})
+            for m in pe.VARIANTS[v]:  # the table's order, whatever the JSON's key order
+                if m not in rows:
+                    continue
+                r = rows[m]
                 a, t = r["loop"], r["tightened"]
                 out.append(
                     f"| {key} | {v} | {m} | {a['usd_per_hour']:.2f} | {_pct(a['served_fraction'])}"
@@ -355,12 +374,13 @@ def markdown(result: dict[str, Any]) -> str:
             if "coral" not in rows:
                 continue
             c = rows["coral"]
-            for m, r in rows.items():
-                if m == "coral":
+            for base in pe.BASELINES[v]:
+                if base not in rows:
                     continue
+                r = rows[base]
                 fb_c, fb_b = c["full_batch"], r["full_batch"]
                 out.append(
-                    f"| {key} | {v} | {m} | {_ratio(r['loop'], c['loop'])} | "
+                    f"| {key} | {v} | {base} | {_ratio(r['loop'], c['loop'])} | "
                     f"{_ratio(r['tightened'], c['tightened'])} | "
                     f"{_parts(c['tightened'], r['tightened'])} | {_ratio(fb_b, fb_c)} | "
                     f"{_pct(fb_c['min_verified'])} / {_pct(fb_b['min_verified'])} |"
