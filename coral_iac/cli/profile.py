@@ -83,7 +83,7 @@ def profile_explain(
     )
     for col in ("component", "ms per layer", "share", "bound by"):
         table.add_column(col, justify="left" if col in ("component", "bound by") else "right")
-    sides = {"gemm_ms": r["gemm_bound"], "attention_ms": r["attention_bound"]}
+    sides = {"gemm_ms": r["gemm_bound"], "attention_ms": r["attention_bound"], "elementwise_ms": "memory"}
     for name, ms in r["components"].items():
         share = ms / r["ms_per_layer"] if r["ms_per_layer"] else 0.0
         table.add_row(name.removesuffix("_ms"), f"{ms:.4f}", f"{share:.0%}", sides.get(name, ""))

@@ -33,7 +33,13 @@ class GpuType(BaseModel):
 
     model_config = FROZEN
     name: str = Field(description="Marketing name, e.g. 'NVIDIA L4 24GB'.")
-    memory_gb: float = Field(gt=0, description="GPU memory, decimal GB.")
+    memory_gb: float = Field(gt=0, description="GPU memory, decimal GB (the datasheet's).")
+    memory_mib: int = Field(
+        gt=0,
+        description="Total device memory as the GPU reports it (nvidia-smi memory.total, MiB): "
+        "what vLLM's --gpu-memory-utilization is a fraction of.",
+    )
+    memory_mib_source: str = Field(default="", description="Where memory_mib was read.")
     memory_bandwidth_gb_s: float = Field(gt=0, description="Memory bandwidth, GB/s.")
     dense_tflops: float = Field(gt=0, description="Dense BF16 (or FP16 without BF16) TFLOPS.")
     bf16: bool = Field(description="Whether the GPU has BF16 tensor cores.")
@@ -45,6 +51,11 @@ class GpuType(BaseModel):
     interconnect_source: str = Field(default="", description="Where the interconnect is stated.")
     source: str = Field(description="Where the numbers come from.")
     retrieved: dt.date = Field(description="When the source was read.")
+
+    @property
+    def memory_bytes(self) -> int:
+        """Device memory in bytes, as CUDA reports it."""
+        return self.memory_mib * 2**20
 
 
 class GpuFile(BaseModel):

@@ -3,17 +3,21 @@
 Roofline with sequential kernels, per layer on a node running tensor parallelism (TP) over `tp` of
 its GPUs, split into the four components `coral profile explain` reports:
 
-    gemm      = max(W / (bw*e_mem), F_gemm / (tf*e_cmp))     # the layer's weight GEMMs
-    attention = max(KV / (bw*e_mem), F_attn / (tf*e_cmp))    # attention
-    comm      = 2 * allreduce(tokens * hidden * 2 bytes, tp)  # TP, two per layer
-    overhead  = the runtime's fixed cost per layer            # launch cost, scheduler (helix)
-    t = gemm + attention + comm + overhead
+    gemm        = smax(W / (bw*e_mem), F_gemm / (tf*e_cmp))     # the layer's weight GEMMs
+    attention   = latency + KV / (bw*e_attn)   (decode)          # attention kernel
+                = latency + F_attn / (tf*e_attn) (prefill)
+    elementwise = latency + E / (bw*e_elem)                     # norms, rotary, activation, add
+    comm        = 2 * allreduce(tokens * hidden * 2 bytes, tp)   # TP, two per layer
+    overhead    = the runtime's fixed cost per layer             # launch cost, scheduler (helix)
+    t = gemm + attention + elementwise + comm + overhead
 
 W is the weight bytes the step reads (attention, router, and the experts the batch touches), F_gemm
-= 2 * tokens * active params, KV the cache bytes read (decode) and F_attn the attention FLOPs. All
-per GPU: divided by tp (KV by min(tp, kv_heads), since vLLM replicates KV heads when tp exceeds
-them). The efficiency factors e_* are a property of the GPU (fitted per GPU type, or derived from
-the nearest measured chip: `solver/data/calibration.yaml`). The fixed costs are a property of the
+= 2 * tokens * active params, KV the cache bytes read (decode), F_attn the attention FLOPs
+(prefill) and E the bytes the elementwise kernels read and write. All per GPU: divided by tp (KV by
+min(tp, kv_heads), since vLLM replicates KV heads when tp exceeds them). The GEMM factors e_* are a
+property of the GPU (fitted per GPU type, or derived from the nearest measured chip:
+`solver/data/calibration.yaml`); the attention and elementwise kernels have their own factors
+(`KernelFactors`), fitted on Vidur's operator timings and derived for chips it did not time. The fixed costs are a property of the
 serving runtime (`Runtime`): a per-layer cost and a per-step cost, the latter paid once per
 pipeline-stage pass (`PerfModel.stage_time_ms`), not per layer. The all-reduce is an alpha-beta
 model per interconnect and TP degree (`AllReduceFit`).
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -36,10 +40,12 @@ from solver.catalog.offers import NodeConfig
 from solver.errors import InputError
 from solver.types import Phase
 
-PERF_MODEL_VERSION = "4"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
+PERF_MODEL_VERSION = "5"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
 # last stage of a pipeline pays no hop, and an aggregated replica runs one TP for both phases;
 # 4: fixed costs belong to the runtime (vllm by default, helix for fitting Helix's files), a
-# per-step cost per stage pass, all-reduce per interconnect and TP, no GPU uses a generic default
+# per-step cost per stage pass, all-reduce per interconnect and TP, no GPU uses a generic default;
+# 5: attention and elementwise kernels timed with their own fitted factors (Vidur's operators),
+# GEMMs on a smooth roofline (smax = the p-norm of the memory and compute times, p = 2)
 
 Bound = Literal["compute", "memory"]
 
@@ -61,6 +67,39 @@ class Efficiency(BaseModel):
 
 
 GEMMS_PER_LAYER = 4  # QKV, O, MLP up/gate, MLP down (an MoE layer's experts run as one fused pair)
+ELEMENTWISE_KERNELS = 5  # input norm, rotary embedding, MLP activation, post-attention norm, add
+
+
+class KernelFactors(BaseModel):
+    """The attention and elementwise kernels on one GPU type: fractions of its datasheet peaks
+    and fixed times per kernel (fitted on Vidur's operator timings, or derived)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    attention_prefill_compute: float = Field(
+        gt=0, le=1.2, description="Fraction of peak TFLOPS prefill attention reaches."
+    )
+    attention_prefill_latency_ms: float = Field(ge=0, le=1, description="Fixed prefill time, ms.")
+    attention_decode_mem: float = Field(
+        gt=0, le=1.2, description="Fraction of memory bandwidth decode attention reaches."
+    )
+    attention_decode_latency_ms: float = Field(ge=0, le=1, description="Fixed decode time, ms.")
+    elementwise_mem: float = Field(
+        gt=0, le=1.2, description="Fraction of memory bandwidth the elementwise kernels reach."
+    )
+    elementwise_latency_ms: float = Field(
+        ge=0, le=1, description="Fixed time of one elementwise kernel, ms."
+    )
+
+
+def elementwise_bytes_per_token(card: ModelCard, tp: int) -> float:
+    """Bytes one token moves through a layer's elementwise kernels on one GPU (16-bit values):
+    two norms (read and write the hidden state, not sharded), the residual add (two reads, one
+    write), rotary embedding on this GPU's query and key heads, and the gated MLP's activation
+    (reads the up and gate projections, writes one; a MoE token's active experts each)."""
+    h = card.hidden_size
+    rotary = 2 * (card.attention_heads + card.kv_heads) * card.head_dim / tp
+    activation = 3 * card.active_experts * card.ffn_size / tp
+    return 2.0 * (4 * h + 3 * h + rotary + activation)
 
 
 class Overheads(BaseModel):
@@ -150,6 +189,7 @@ class NodeCosts:
 
     eff: Efficiency
     overheads: Overheads
+    kernels: KernelFactors
     interconnect: str | None = None
     allreduce: Mapping[int, AllReduceFit] = field(default_factory=dict)
 
@@ -207,6 +247,7 @@ class LayerBreakdown:
 
     gemm_ms: float
     attention_ms: float
+    elementwise_ms: float
     comm_ms: float
     overhead_ms: float
     gemm_bound: Bound
@@ -214,12 +255,15 @@ class LayerBreakdown:
 
     @property
     def ms(self) -> float:
-        return self.gemm_ms + self.attention_ms + self.comm_ms + self.overhead_ms
+        return (
+            self.gemm_ms + self.attention_ms + self.elementwise_ms + self.comm_ms + self.overhead_ms
+        )
 
     def components(self) -> dict[str, float]:
         return {
             "gemm_ms": self.gemm_ms,
             "attention_ms": self.attention_ms,
+            "elementwise_ms": self.elementwise_ms,
             "comm_ms": self.comm_ms,
             "overhead_ms": self.overhead_ms,
         }
@@ -231,6 +275,8 @@ class LayerBreakdown:
             return f"{self.gemm_bound} (weight GEMMs)"
         if name == "attention_ms":
             return f"{self.attention_bound} (attention)"
+        if name == "elementwise_ms":
+            return "memory (elementwise)"
         return "communication" if name == "comm_ms" else "overhead"
 
 
@@ -260,10 +306,21 @@ def _weights_read_bytes(card: ModelCard, tokens: float) -> float:
     return dense + experts
 
 
+ROOFLINE_P = 2.0  # smooth roofline: (t_mem^p + t_cmp^p)^(1/p)
+
+
+def smooth_roofline(t_mem: Any, t_cmp: Any) -> Any:
+    """A GEMM's time from its memory and compute times: a smooth maximum. Near the roofline's
+    corner neither side hides the other (Vidur's Llama-2-70B GEMMs at 96-192 tokens take 20-25%
+    longer than max(memory, compute)); far from it the larger side dominates. Works on floats and
+    numpy arrays."""
+    return (t_mem**ROOFLINE_P + t_cmp**ROOFLINE_P) ** (1.0 / ROOFLINE_P)
+
+
 def _roofline(nbytes: float, bw: float, flops: float, peak: float) -> tuple[float, Bound]:
-    """Seconds of a kernel group, and the side of max(memory, compute) that won."""
+    """Seconds of a kernel group, and which side of the roofline is larger."""
     t_mem, t_cmp = nbytes / bw, flops / peak
-    return (t_cmp, "compute") if t_cmp > t_mem else (t_mem, "memory")
+    return float(smooth_roofline(t_mem, t_cmp)), "compute" if t_cmp > t_mem else "memory"
 
 
 def layer_breakdown(
@@ -278,9 +335,11 @@ def layer_breakdown(
     """One layer's components. `size` is the decode batch (sequences at `context` tokens) or the
     prefill token count (prompts of `context` tokens).
 
-    Causal prefill: a token at position i attends to i earlier tokens, so on average a prompt's
-    tokens attend to half its (window-limited) length: F_attn = 2 * tokens * held * heads * hd;
-    decode reads every held token: F_attn = 4 * batch * held * heads * hd.
+    Prefill attention: F_attn = 4 * tokens * held * heads * hd (QK^T and PV over every held
+    key). The causal mask halves the useful work, but the fused kernels Vidur timed take the
+    time of the full square (fitting the causal half leaves 19% median error, the full square
+    8%), so the full count is used with the fitted efficiency. Decode attention reads every held
+    token's KV: memory-bound at batch x held x KV bytes.
 
     Raises:
         InputError: TP > 1 on a node without an all-reduce fit (see `NodeCosts.allreduce_ms`).
@@ -293,17 +352,28 @@ def layer_breakdown(
     t_gemm, gemm_bound = _roofline(
         _weights_read_bytes(card, size) / tp, bw, 2 * size * card.active_params_per_layer / tp, peak
     )
+    k = costs.kernels
+    mem_bw = gpu.memory_bandwidth_gb_s * 1e9
+    attn_bound: Bound
     if phase == "decode":
         kv_bytes = size * held * card.kv_bytes_per_token_per_layer / min(tp, card.kv_heads)
-        attn_flops = 4 * size * held * card.attention_heads * card.head_dim / tp
-        t_attn, attn_bound = _roofline(kv_bytes, bw, attn_flops, peak)
+        attn_ms = k.attention_decode_latency_ms + kv_bytes / (mem_bw * k.attention_decode_mem) * 1e3
+        attn_bound = "memory"
     else:
-        t_attn = 2 * size * held * card.attention_heads * card.head_dim / tp / peak
+        attn_flops = 4 * size * held * card.attention_heads * card.head_dim / tp
+        tflops = gpu.dense_tflops * 1e12 * k.attention_prefill_compute
+        attn_ms = k.attention_prefill_latency_ms + attn_flops / tflops * 1e3
         attn_bound = "compute"
+    elem_bytes = size * elementwise_bytes_per_token(card, tp)
+    elem_ms = (
+        ELEMENTWISE_KERNELS * k.elementwise_latency_ms
+        + elem_bytes / (mem_bw * k.elementwise_mem) * 1e3
+    )
     comm = 2 * costs.allreduce_ms(node.id, tp, size * card.hidden_size * 2)
     return LayerBreakdown(
         gemm_ms=GEMMS_PER_LAYER * eff.gemm_latency_ms + t_gemm * 1e3,
-        attention_ms=t_attn * 1e3,
+        attention_ms=attn_ms,
+        elementwise_ms=elem_ms,
         comm_ms=comm,
         overhead_ms=costs.overheads.layer_ms(phase),
         gemm_bound=gemm_bound,

@@ -32,6 +32,7 @@ from solver.performance.analytical import (
     PERF_MODEL_VERSION,
     AllReduceFit,
     Efficiency,
+    KernelFactors,
     LayerOverhead,
     NodeCosts,
     Overheads,
@@ -174,6 +175,54 @@ class Interconnect(BaseModel):
     tp: dict[int, AllReduceFit] = Field(description="Per TP degree (2, 4, 8).")
 
 
+class KernelFit(KernelFactors):
+    """A GPU type's attention and elementwise factors, with what they were fitted on."""
+
+    source: str = Field(description="The fit and the data it used (or what was derived).")
+
+
+class KernelDerivation(BaseModel):
+    """A GPU type whose kernels were not timed takes a timed chip's factors (as fractions of its
+    own peaks)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid", populate_by_name=True)
+    from_gpu: str = Field(alias="from", description="The GPU type whose kernel factors apply.")
+    why: str = Field(description="Why that chip.")
+
+
+class Kernels(BaseModel):
+    """Attention and elementwise kernel factors (`scripts/apply_vidur_fit.py` writes them)."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+    source: str = Field(description="The measurements and the fitted forms.")
+    fit_median_abs_rel_error: dict[str, float] = Field(description="Per fitted group.")
+    gpus: dict[str, KernelFit] = Field(description="GPU types with fitted (or partly fitted) kernels.")
+    derived: dict[str, KernelDerivation] = Field(description="The others: nearest timed chip.")
+
+    def resolve(self, gpu: str) -> tuple[KernelFactors, str]:
+        """The GPU's kernel factors and where they come from.
+
+        Raises:
+            InputError: the GPU has neither its own kernel factors nor a derivation to one.
+        """
+        if gpu not in self.gpus:
+            d = self.derived.get(gpu)
+            if d is None or d.from_gpu not in self.gpus:
+                raise InputError(
+                    f"kernels.derived.{gpu}",
+                    f"GPU '{gpu}' has no attention/elementwise kernel factors",
+                    "add it under kernels.derived: in solver/data/calibration.yaml, naming a GPU "
+                    "under kernels.gpus:",
+                )
+            fit = self.gpus[d.from_gpu]
+            return _kernel_factors(fit), f"derived from {d.from_gpu} ({d.why}) <- {fit.source}"
+        return _kernel_factors(self.gpus[gpu]), self.gpus[gpu].source
+
+
+def _kernel_factors(fit: KernelFit) -> KernelFactors:
+    return KernelFactors(**fit.model_dump(include=set(KernelFactors.model_fields)))
+
+
 class HelixFit(BaseModel):
     """Provenance of the Helix fit: what `coral profile calibrate --write` regenerates."""
 
@@ -203,6 +252,7 @@ class CalibrationData(BaseModel):
     derived: dict[str, Derivation] = Field(description="GPU types without: nearest measured.")
     runtimes: dict[str, Runtime]
     allreduce: dict[str, Interconnect] = Field(description="Keyed by gpus.yaml `interconnect`.")
+    kernels: Kernels = Field(description="Attention and elementwise kernels per GPU type.")
 
     @property
     def decode_context_tokens(self) -> float:
@@ -244,9 +294,11 @@ class CalibrationData(BaseModel):
         """Resolve every GPU (those of `gpu_ids` too, so a GPU without factors fails here)."""
         names = sorted({*self.gpus, *self.derived, *(gpu_ids or [])})
         resolved = {g: self.resolve(g) for g in names}
+        kernels = {g: self.kernels.resolve(g) for g in names}
         return Calibration(
             gpus={g: eff for g, (eff, _) in resolved.items()},
             origin={g: origin for g, (_, origin) in resolved.items()},
+            kernels={g: k for g, (k, _) in kernels.items()},
             runtimes=dict(self.runtimes),
             allreduce={k: dict(v.tp) for k, v in self.allreduce.items()},
             provenance=f"{self.helix_fit.data}; fitted {self.helix_fit.fitted_on}",
@@ -277,20 +329,22 @@ def file_costs(
     f: CalibrationFile, eff: Efficiency, helix_layer: LayerOverhead | None, data: CalibrationData
 ) -> NodeCosts:
     """Costs a file's measurements include: the helix runtime's per-layer cost (`helix_layer`)
-    for Helix's files, the vllm runtime's per-layer cost for profiler tables."""
+    for Helix's files, the vllm runtime's per-layer cost for profiler tables; the GPU's
+    attention and elementwise kernels as the data file resolves them."""
+    kernels, _ = data.kernels.resolve(f.gpu)
     if f.runtime == "vllm":
         vllm = data.runtimes["vllm"]
         layer = LayerOverhead(
             decode_layer_ms=vllm.decode_layer_ms or 0.0,
             prefill_layer_ms=vllm.prefill_layer_ms or 0.0,
         )
-        return helix_costs(eff, layer)
+        return helix_costs(eff, layer, kernels)
     if helix_layer is None:
         raise InputError(f"runtimes.helix.per_gpu.{f.gpu}", "missing", "refit with --write")
-    return helix_costs(eff, helix_layer)
+    return helix_costs(eff, helix_layer, kernels)
 
 
-def helix_costs(eff: Efficiency, layer: LayerOverhead) -> NodeCosts:
+def helix_costs(eff: Efficiency, layer: LayerOverhead, kernels: KernelFactors) -> NodeCosts:
     """Costs of a one-GPU node under the helix runtime (no per-step cost: each layer is a step)."""
     overheads = Overheads(
         decode_layer_ms=layer.decode_layer_ms,
@@ -298,7 +352,7 @@ def helix_costs(eff: Efficiency, layer: LayerOverhead) -> NodeCosts:
         decode_step_ms=0.0,
         prefill_step_ms=0.0,
     )
-    return NodeCosts(eff=eff, overheads=overheads)
+    return NodeCosts(eff=eff, overheads=overheads, kernels=kernels)
 
 
 def predict_ms(

@@ -17,6 +17,7 @@ from solver.errors import InputError, unknown_value
 from solver.performance.analytical import (
     AllReduceFit,
     Efficiency,
+    KernelFactors,
     LayerBreakdown,
     LayerTime,
     NodeCosts,
@@ -43,6 +44,7 @@ class Calibration:
 
     gpus: dict[str, Efficiency]
     origin: dict[str, str]
+    kernels: dict[str, KernelFactors]
     runtimes: dict[str, Runtime]
     allreduce: dict[str, dict[int, AllReduceFit]]
     provenance: str = ""
@@ -63,6 +65,21 @@ class Calibration:
             )
         return eff
 
+    def kernels_for(self, gpu_id: str) -> KernelFactors:
+        """The GPU's attention and elementwise kernel factors.
+
+        Raises:
+            InputError: the GPU has none (resolved from solver/data/calibration.yaml).
+        """
+        k = self.kernels.get(gpu_id)
+        if k is None:
+            raise InputError(
+                f"kernels.{gpu_id}",
+                f"GPU '{gpu_id}' has no attention/elementwise kernel factors",
+                "add it under kernels.derived: in solver/data/calibration.yaml",
+            )
+        return k
+
     def runtime(self, name: str) -> Runtime:
         """A runtime by name.
 
@@ -79,6 +96,7 @@ class Calibration:
         return NodeCosts(
             eff=self.for_gpu(cfg.gpu_id),
             overheads=self.runtime(runtime).overheads(runtime, cfg.gpu_id),
+            kernels=self.kernels_for(cfg.gpu_id),
             interconnect=link,
             allreduce=self.allreduce.get(link, {}) if link else {},
         )
@@ -200,12 +218,11 @@ class PerfModel:
         """KV tokens that fit beside `layers` layers on `tp` GPUs of the node (0 if none).
 
         Each stage is charged one vocab x hidden matrix: the first stage holds the input
-        embedding, the last the LM head, and which stage a node serves is not known here.
+        embedding, the last the LM head, and which stage a node serves is not known here. vLLM's
+        memory fraction applies to the memory the device reports (MiB), not the datasheet's GB.
         """
         s = self.settings
-        usable = tp * (
-            cfg.gpu.memory_gb * GB * s.gpu_memory_utilization - s.runtime_reserve_gb * GB
-        )
+        usable = tp * (cfg.gpu.memory_bytes * s.gpu_memory_utilization - s.runtime_reserve_gb * GB)
         free = usable - layers * card.layer_weight_bytes - card.embedding_bytes
         per_token = layers * card.kv_bytes_per_token_per_layer * tp / min(tp, card.kv_heads)
         return max(0, int(free // per_token))
@@ -349,6 +366,77 @@ class PerfModel:
         step = self.step_overhead_ms(cfg.id, phase)
         hop_cost = hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0.0
         return layers * layer + step + hop_cost
+
+    def batch_layer_ms(
+        self,
+        model: ModelId,
+        node: str,
+        tp: int,
+        tokens: int,
+        decode_seqs: int,
+        decode_context: float,
+        prefill_pairs: float,
+    ) -> float:
+        """One layer of a mixed step (vLLM's chunked prefill: decodes and prefill chunks in one
+        batch of `tokens` tokens), ms: the token-proportional kernels at `tokens`
+        (`linear_layer_ms`), decode attention for `decode_seqs` sequences at a mean of
+        `decode_context` tokens, and prefill attention over `prefill_pairs` = sum of
+        chunk x (cached + chunk) over the prefill chunks (`attention_terms`).
+        """
+        phase: Phase = "prefill" if prefill_pairs > 0 else "decode"
+        linear = self.linear_layer_ms(model, node, tp, phase, tokens)
+        if linear is None:  # a measured table: whole layers at a token count
+            ms = self.measured.get(model, self.catalog.node(node).id, phase).ms_at(tokens)  # type: ignore[union-attr]
+            assert ms is not None  # callers cap sizes at the table's range
+            return ms
+        dec_lat, dec_ms, pre_lat, pre_ms = self.attention_terms(model, node, tp)
+        attention = 0.0
+        if decode_seqs:
+            held = self.card(model).kv_tokens_held(decode_context)
+            attention += dec_lat + decode_seqs * held * dec_ms
+        if prefill_pairs:
+            attention += pre_lat + prefill_pairs * pre_ms
+        return linear + attention
+
+    def linear_layer_ms(
+        self, model: ModelId, node: str, tp: int, phase: Phase, tokens: int
+    ) -> float | None:
+        """One layer's work that scales with the step's tokens alone (weight GEMMs, elementwise
+        kernels, TP all-reduces, the runtime's per-layer cost): the layer without attention,
+        memoised. None where a measured table times the layer (it has no components)."""
+        cfg = self.catalog.node(node)
+        if self.measured.get(model, cfg.id, phase) is not None:
+            return None
+        key = (model, cfg.id, tp, phase, float(tokens), -1.0)
+        linear = self._layer_memo.get(key)
+        if linear is None:
+            b = self._breakdown(self.card(model), cfg, tp, phase, tokens, 1.0)
+            linear = b.ms - b.attention_ms
+            if len(self._layer_memo) >= LAYER_MEMO_MAX:
+                self._layer_memo.clear()
+            self._layer_memo[key] = linear
+        return linear
+
+    def attention_terms(self, model: ModelId, node: str, tp: int) -> tuple[float, float, float, float]:
+        """Attention of one layer as (decode latency, ms per decode sequence per held token,
+        prefill latency, ms per prefill pair), from the GPU's kernel factors."""
+        card, cfg = self.card(model), self.catalog.node(node)
+        k = self.calibration.kernels_for(cfg.gpu_id)
+        kv_bytes = card.kv_bytes_per_token_per_layer / min(tp, card.kv_heads)
+        bw = cfg.gpu.memory_bandwidth_gb_s * 1e9 * k.attention_decode_mem
+        flops = 4 * card.attention_heads * card.head_dim / tp
+        tf = cfg.gpu.dense_tflops * 1e12 * k.attention_prefill_compute
+        return (
+            k.attention_decode_latency_ms,
+            kv_bytes / bw * 1e3,
+            k.attention_prefill_latency_ms,
+            flops / tf * 1e3,
+        )
+
+    def hop_ms(self, model: ModelId, node: str, tokens: float) -> float:
+        """Sending `tokens` tokens' activations from `node` to the next pipeline stage, ms."""
+        cfg = self.catalog.node(node)
+        return hop_ms(self.card(model), tokens, cfg.network_gbps, self.settings)
 
     def _layer_ms(
         self,

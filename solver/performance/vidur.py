@@ -4,9 +4,10 @@ The vendored files (`solver/data/calibration/vidur/`, MIT, see its README) time 
 GEMMs on one rank of a TP group (A100-80GB, H100, A40) and NCCL all-reduce on NVLink nodes. This
 module fits, per GPU, the efficiency factors of the same GEMM roofline the analytical model uses,
 
-    gemm_ms = GEMMS_PER_LAYER * latency_ms + max(W / tp / (bw*e_mem), 2*tokens*P / tp / (tf*e_cmp))
+    gemm_ms = GEMMS_PER_LAYER * latency_ms + smax(W / tp / (bw*e_mem), 2*tokens*P / tp / (tf*e_cmp))
 
-with P the layer's GEMM parameters (QKV + O + MLP), W = 2*P bytes (fp16/bf16), bw/tf the datasheet
+with smax the smooth roofline `(a^2 + b^2)^(1/2)` (`analytical.smooth_roofline`), P the layer's GEMM
+parameters (QKV + O + MLP), W = 2*P bytes (fp16/bf16), bw/tf the datasheet
 peaks. The fixed per-GEMM latency is the ONE term added to the analytical form: without it the
 small-token rows (kernel launch and tail latency) push H100's median error to 11-15% per TP (6-7%
 with it), and every GPU's fitted e_mem collapses to 0.47-0.60 because the bandwidth factor absorbs
@@ -33,7 +34,7 @@ from scipy.optimize import minimize
 from solver.catalog.offers import GpuFile
 from solver.errors import InputError
 from solver.io import data_path, load_yaml_model
-from solver.performance.analytical import GEMMS_PER_LAYER
+from solver.performance.analytical import GEMMS_PER_LAYER, smooth_roofline
 from solver.types import FROZEN
 
 SOURCE = (
@@ -41,7 +42,7 @@ SOURCE = (
     "data/profiling/ (MIT); vendored in solver/data/calibration/vidur/"
 )
 GEMM_FORM = (
-    "gemm_ms = gemms_per_layer * gemm_latency_ms + 1e3 * max(2*P / tp / (bw*e_mem), "
+    "gemm_ms = gemms_per_layer * gemm_latency_ms + 1e3 * smax(2*P / tp / (bw*e_mem), "
     "2*tokens*P / tp / (tf*e_cmp)); P = h*(h + 2*kv_heads*head_dim) + h*h + (3 if gated else 2)"
     "*h*ffn; bw in B/s, tf in FLOP/s (datasheet peaks)"
 )
@@ -306,7 +307,7 @@ def gemm_ms_array(
     tf = peak.dense_tflops * 1e12 * factors.e_cmp
     t_mem = BYTES_PER_PARAM * params / tp / bw
     t_cmp = 2 * tokens * params / tp / tf
-    result: FloatArray = GEMMS_PER_LAYER * factors.gemm_latency_ms + np.maximum(t_mem, t_cmp) * 1e3
+    result: FloatArray = GEMMS_PER_LAYER * factors.gemm_latency_ms + smooth_roofline(t_mem, t_cmp) * 1e3
     return result
 
 

@@ -100,6 +100,7 @@ def input_hashes(
                     k: {t: f.model_dump() for t, f in v.items()}
                     for k, v in sorted(perf.calibration.allreduce.items())
                 },
+                "kernels": {g: k.model_dump() for g, k in sorted(perf.calibration.kernels.items())},
                 # The parsed points, not only the keys: a re-measured table must mark it stale.
                 "measured": {
                     "/".join(key): {"x": list(t.x), "ms": list(t.ms)}

@@ -42,6 +42,7 @@ CATALOG = Catalog(
         g: GpuType(
             name=g,
             memory_gb=mem,
+            memory_mib=int(mem * 1e9 / 2**20),
             memory_bandwidth_gb_s=1000,
             dense_tflops=100,
             bf16=True,
