@@ -242,7 +242,7 @@ def declare(
                 card=card,
                 max_model_len=deploy.max_model_len,
                 max_num_seqs=sizes.max_running,
-                max_num_batched_tokens=sizes.max_prefill_tokens,
+                max_num_batched_tokens=sizes.max_batched_tokens,
                 bf16=precision_group_bf16(plan, inst, perf.catalog),
                 pair=spec.serving == "disaggregated",
                 gpu_memory_utilization=deploy.gpu_memory_utilization,

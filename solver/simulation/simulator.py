@@ -8,37 +8,38 @@ What is modelled:
   stage; the last stage sends none). A data-parallel stage (general mode: several members hold
   the same layers) splits each micro-batch across its members in proportion to their speed, and
   takes as long as its slowest share; its KV capacity is the sum of its members'.
-- **Pipeline.** A pipeline with S stages keeps up to S micro-batches in flight:
-  - a new prefill micro-batch can start every max_s(stage time), and each finishes after the
-    sum of its stages;
-  - decode advances every running sequence by one token per round of S x max_s(stage time at
-    the micro-batch size ceil(running / S)).
-- **Continuous batching.** Decode admits waiting requests at every event while their full KV
-  (prompt + output) fits the instance's KV capacity: the smallest stage capacity. So nothing is
-  preempted.
-- **Prefill.** FCFS, batching the prompts that have arrived, up to the KV capacity and
-  `max_batch_tokens`.
+- **Engine** (`_engine_pass`, vLLM's V1 scheduler with chunked prefill), for aggregated and
+  prefill-only instances: each step is one micro-batch of at most --max-num-batched-tokens
+  tokens: the running requests first (a decode takes one token, a prefill in progress its next
+  chunk), then waiting ones FCFS while fewer than --max-num-seqs run. A pipeline of S stages
+  keeps up to S micro-batches in flight, each request in at most one, and a micro-batch enters a
+  stage when that stage is free: a prefill chunk stalls the decodes of its micro-batch for its
+  whole pipeline, and every micro-batch behind it. Each step is timed for what it holds
+  (`InstanceModel.batch_stage_ms`: the tokens' GEMMs and elementwise kernels, the decodes'
+  attention at their context, the chunks' attention). KV is paged in 16-token blocks grown as a
+  request runs; when none is free, the latest admitted request that is not in a step is
+  preempted and later recomputed (never an earlier one, so the oldest always progresses).
+- **Disaggregated decode** (`_decode_pass`): decode advances every running sequence by one
+  token per round of S x max_s(stage time at the micro-batch size ceil(running / S)); requests
+  are admitted while their full KV (prompt + output) fits and fewer than --max-num-seqs run.
 - **Disaggregation** (as vLLM's PD proxy runs it). The prefill instance runs with
-  max_tokens=1. The KV cache then moves to a decode instance: prompt x KV bytes per token over
-  the decode node's network, plus one hop latency. The decode instance streams every output
-  token, so TTFT ends at decode's first token.
-- **Aggregated instances** time-share one pipeline between the phases, as vLLM's scheduler does
-  without chunked prefill: whenever arrived prompts fit (KV and the running cap), a prefill pass
-  runs and every running sequence waits for it; otherwise decode rounds run. So prefill passes
-  stall decoding, and TPOT includes the stalls.
+  max_tokens=1 (the engine, each request ending at its first token). The KV cache then moves to
+  a decode instance: prompt x KV bytes per token over the decode node's network, plus one hop
+  latency. The decode instance streams every output token, so TTFT ends at decode's first token.
 - **Routing** is the paper's: smooth weighted round-robin across a (model, phase)'s instances,
   with weights = template throughput.
 
 Per request: TTFT, TPOT = (finish - first token) / (output - 1), end-to-end latency, and whether
 both SLOs are met (TTFT <= prefill SLO, TPOT <= decode SLO). Goodput = output tokens/s of the
-requests that met them. Between events, whole runs of decode rounds are skipped at once (to the
-next completion or arrival). Decode rounds are timed at each model's mean decode context.
+requests that met them. In disaggregated decode, whole runs of rounds are skipped at once (to the
+next completion or arrival), timed at the model's mean decode context.
 """
 
 from __future__ import annotations
 
 import heapq
 import math
+from collections import deque
 
 import numpy as np
 
@@ -75,59 +76,6 @@ def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
         if current == zero:
             break
     return np.resize(np.array(out, dtype=np.int64), n)
-
-
-def _chunked_prefill(
-    inst: InstanceModel, start: float, prompts: list[int], limit: int
-) -> tuple[list[float], float]:
-    """A batch of prompts streamed through the pipeline in chunks of at most `limit` tokens
-    (vLLM's chunked prefill, with --max-num-batched-tokens = limit), starting at `start`.
-    Returns each prompt's completion time (its last chunk out of the last stage) and when the
-    pipeline can take new work (the first stage is free again). The last chunk is timed at
-    its own size."""
-    total = sum(prompts)
-    chunk = min(total, limit)
-    n = math.ceil(total / chunk)
-    latency, period = inst.prefill_ms(chunk)
-    last_latency, last_period = inst.prefill_ms(total - (n - 1) * chunk)
-    last_ms = (n - 1) * period + last_latency
-    done, tokens = [], 0
-    for p in prompts:
-        tokens += p
-        k = math.ceil(tokens / chunk)  # the chunk this prompt ends in (1-based)
-        done.append(start + (latency + (k - 1) * period if k < n else last_ms) / 1e3)
-    return done, start + ((n - 1) * period + last_period) / 1e3
-
-
-def _prefill_pass(
-    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, cap: int
-) -> np.ndarray:
-    """FCFS batched prefill on one instance: whenever the pipeline is free, the prompts that
-    have arrived, up to `limit` tokens (one prompt over it is chunked). Returns each request's
-    completion time (s). (A lone prompt within the limit is one chunk: its latency, inline.)"""
-    n = len(arrival)
-    arrival_l, prompt_l = arrival.tolist(), prompt.tolist()
-    done: list[float] = []
-    timing: dict[int, tuple[float, float]] = {}  # prompt tokens -> (latency, period)
-    t_free, i = 0.0, 0
-    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    while i < n:
-        start = arrival_l[i] if arrival_l[i] > t_free else t_free
-        j, tokens = i + 1, prompt_l[i]
-        while j < n and arrival_l[j] <= start and tokens + prompt_l[j] <= limit:
-            tokens += prompt_l[j]
-            j += 1
-        if j == i + 1 and tokens <= limit:
-            if tokens not in timing:
-                timing[tokens] = inst.prefill_ms(tokens)
-            latency, period = timing[tokens]
-            done.append(start + latency / 1e3)
-            t_free = start + period / 1e3
-        else:
-            batch, t_free = _chunked_prefill(inst, start, prompt_l[i:j], limit)
-            done += batch
-        i = j
-    return np.array(done, dtype=np.float64)
 
 
 def _decode_pass(
@@ -184,76 +132,156 @@ def _decode_pass(
     return np.array(first), np.array(finish), peak
 
 
-def _aggregated_pass(
-    inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, cap: int
-) -> tuple[np.ndarray, np.ndarray, int]:
-    """Prefill and decode time-sharing one instance (requests sorted by arrival). Returns (first
-    token time = end of its prefill, finish time, peak KV tokens used).
+KV_BLOCK_TOKENS = 16  # vLLM's default --block-size on CUDA
 
-    Prefill has priority: whenever arrived prompts fit (KV and the running cap), all of them
-    stream through the pipeline in chunks of `limit` tokens and decode waits until the first
-    stage is free again; a request decodes once its prefill is out of the last stage. (Draining
-    the queue per prefill turn matters when a decode round is expensive: alternating one
-    prompt with one round would spend most of the time on rounds.)"""
+
+def _engine_pass(
+    inst: InstanceModel,
+    arrival: np.ndarray,
+    prompt: np.ndarray,
+    output: np.ndarray,
+    chunk: int,
+    max_seqs: int,
+) -> tuple[np.ndarray, np.ndarray, int]:
+    """vLLM's V1 scheduler on one instance, step by step (requests sorted by arrival). Returns
+    (first token time, finish time, peak KV tokens held).
+
+    Each step is one micro-batch of at most `chunk` tokens (--max-num-batched-tokens): the
+    running requests first, in admission order (a decode takes one token, a prefill in progress
+    its next chunk), then waiting requests FCFS while fewer than `max_seqs` (--max-num-seqs)
+    run. So prefill chunks and decodes share every step, and a long prompt slows the decodes
+    beside it. KV is paged: a request holds blocks of 16 tokens for what it has computed, grown
+    as it runs; when a running request needs a block and none is free, the last admitted one is
+    preempted (its blocks freed; later it recomputes its prompt and the tokens it generated).
+    A pipeline of S stages keeps up to S micro-batches in flight, each request in at most one;
+    a micro-batch enters a stage when that stage is free. The first token comes when the
+    prefill's last chunk leaves the last stage; a request that can never fit is left unfinished
+    (an SLO miss)."""
     n = len(arrival)
-    arrival_l, prompt_l, output_l = arrival.tolist(), prompt.tolist(), output.tolist()
-    ctx = (prompt + output).tolist()
+    arrival_l, output_l = arrival.tolist(), output.tolist()
+    target = prompt.tolist()  # tokens to prefill (prompt, or prompt + generated after preemption)
+    kv = [0] * n  # tokens whose KV is computed
+    gen = [0] * n  # tokens generated (the first comes with the prefill's last chunk)
+    blocks = [0] * n
     first, finish = [math.inf] * n, [math.inf] * n
-    capacity, max_running = inst.kv_capacity, inst.max_running
-    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    running: list[tuple[int, int]] = []  # decoding: (round it finishes in, request)
-    pending: list[tuple[float, int]] = []  # prefilled: (out of the pipeline at, request)
-    round_of: dict[int, float] = {}  # batch size -> round time (s)
-    kv_used = peak = rounds = 0
-    t, nxt = 0.0, 0
-    while nxt < n or running or pending:
-        while pending and pending[0][0] <= t:  # prefills out of the pipeline join decoding
-            i = heapq.heappop(pending)[1]
-            if output_l[i] - 1 <= 0:  # nothing left to decode: done with its first token
-                finish[i] = first[i]
-                kv_used -= ctx[i]
+    n_stages = len(inst.stages)
+    total_blocks = inst.kv_capacity // KV_BLOCK_TOKENS
+    free = total_blocks
+    waiting: deque[int] = deque()
+    running: list[int] = []
+    busy: set[int] = set()
+    flights: list[tuple[float, int, list[tuple[int, int]]]] = []  # (done, seq, [(req, tokens)])
+    stage_free = [0.0] * n_stages
+    t, nxt, done, seq, peak = 0.0, 0, 0, 0, 0
+
+    def preempt(victim: int) -> None:
+        nonlocal free
+        free += blocks[victim]
+        blocks[victim] = kv[victim] = 0
+        target[victim] = int(prompt[victim]) + max(0, gen[victim])
+        running.remove(victim)
+        waiting.appendleft(victim)
+
+    def schedule() -> list[tuple[int, int]]:
+        nonlocal free
+        budget, batch, blocked = chunk, [], False
+        for rank, i in enumerate(list(running)):
+            if budget <= 0:
+                break
+            if i in busy or i not in running:
+                continue
+            c = min(target[i] - kv[i], budget) if kv[i] < target[i] else 1
+            need = -(-(kv[i] + c) // KV_BLOCK_TOKENS) - blocks[i]
+            # Out of blocks: preempt the latest admitted request that is not in a step, never
+            # an earlier one (so the oldest always progresses); when only requests in a step
+            # are later, wait for them; when this is the latest, preempt it.
+            while need > free:
+                later = running[running.index(i) + 1 :]
+                victims = [v for v in later if v not in busy]
+                if not victims:
+                    break
+                preempt(victims[-1])
+            if need > free:
+                blocked = True
+                if running[-1] == i and rank > 0:
+                    preempt(i)
+                continue
+            free -= need
+            blocks[i] += need
+            batch.append((i, c))
+            budget -= c
+        while waiting and budget > 0 and len(running) < max_seqs and not blocked:
+            i = waiting[0]
+            c = min(target[i] - kv[i], budget)
+            need = -(-(kv[i] + c) // KV_BLOCK_TOKENS) - blocks[i]
+            if need > free:
+                break
+            waiting.popleft()
+            running.append(i)
+            free -= need
+            blocks[i] += need
+            batch.append((i, c))
+            budget -= c
+        return batch
+
+    while done < n:
+        while nxt < n and arrival_l[nxt] <= t:
+            if -(-(target[nxt] + output_l[nxt]) // KV_BLOCK_TOKENS) > total_blocks:
+                done += 1  # can never fit: unfinished
             else:
-                heapq.heappush(running, (rounds + output_l[i] - 1, i))
-        if nxt < n and ctx[nxt] > capacity:
-            nxt += 1  # can never fit: leave it unfinished (counts as an SLO miss)
-            continue
-        batch, busy = nxt, len(running) + len(pending)
-        while (
-            nxt < n
-            and arrival_l[nxt] <= t
-            and kv_used + ctx[nxt] <= capacity
-            and busy + nxt - batch < max_running
-        ):
-            kv_used += ctx[nxt]
+                waiting.append(nxt)
             nxt += 1
-        peak = max(peak, kv_used)
-        if nxt > batch:
-            first[batch:nxt], t = _chunked_prefill(inst, t, prompt_l[batch:nxt], limit)
-            for i in range(batch, nxt):
-                heapq.heappush(pending, (first[i], i))
-            continue
-        if not running:
-            waits = [pending[0][0]] if pending else []
-            if nxt < n and arrival_l[nxt] > t:  # an arrived one that did not fit waits
-                waits.append(arrival_l[nxt])
-            if waits:  # else nothing left, or ready ones finished above
-                t = max(t, min(waits))
-            continue
-        if len(running) not in round_of:
-            round_of[len(running)] = inst.decode_round_ms(len(running)) / 1e3
-        round_s, k = round_of[len(running)], running[0][0] - rounds
-        blocked = nxt < n and (kv_used + ctx[nxt] > capacity or busy >= max_running)
-        if nxt < n and not blocked:  # stop decoding when the next prompt can start prefill
-            k = min(k, max(1, math.ceil((arrival_l[nxt] - t) / round_s)))
-        if pending:  # or when a prefill comes out of the pipeline
-            k = min(k, max(1, math.ceil((pending[0][0] - t) / round_s)))
-        t += k * round_s
-        rounds += k
-        while running and running[0][0] == rounds:  # finished: leave, KV freed
-            i = heapq.heappop(running)[1]
-            finish[i] = t
-            kv_used -= ctx[i]
+        while flights and flights[0][0] <= t:
+            at, _, batch = heapq.heappop(flights)
+            for i, c in batch:
+                busy.discard(i)
+                decoding = kv[i] >= target[i]
+                kv[i] += c
+                if decoding or kv[i] == target[i]:
+                    gen[i] += 1
+                    if first[i] == math.inf:
+                        first[i] = at
+                if gen[i] >= output_l[i]:
+                    finish[i] = at
+                    free += blocks[i]
+                    blocks[i] = 0
+                    running.remove(i)
+                    done += 1
+        if len(flights) < n_stages and stage_free[0] <= t and (waiting or len(busy) < len(running)):
+            batch = schedule()
+            if batch:
+                decodes = [i for i, c in batch if c == 1 and kv[i] >= target[i]]
+                dec_ctx = sum(kv[i] for i in decodes) / len(decodes) if decodes else 0.0
+                pairs = sum(c * (kv[i] + c) for i, c in batch if kv[i] < target[i])
+                tokens = sum(c for _, c in batch)
+                at = t
+                for s, ms in enumerate(inst.batch_stage_ms(tokens, len(decodes), dec_ctx, pairs)):
+                    at = max(at, stage_free[s]) + ms / 1e3
+                    stage_free[s] = at
+                busy.update(i for i, _ in batch)
+                seq += 1
+                heapq.heappush(flights, (at, seq, batch))
+                peak = max(peak, (total_blocks - free) * KV_BLOCK_TOKENS)
+                continue
+        events = [stage_free[0]] if stage_free[0] > t else []
+        if flights:
+            events.append(flights[0][0])
+        if nxt < n:
+            events.append(arrival_l[nxt])
+        if not events:
+            break  # nothing in flight, nothing to come: the rest can never be served
+        t = min(events)
     return np.array(first), np.array(finish), peak
+
+
+def _prefill_only(inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray) -> np.ndarray:
+    """A disaggregated prefill instance: vLLM's scheduler with max_tokens=1 (each request ends
+    with its first token). Returns each request's completion time (s)."""
+    _, finish, _ = _engine_pass(
+        inst, arrival, prompt, np.ones(len(prompt), dtype=np.int64), inst.max_batched_tokens,
+        inst.max_running,
+    )  # fmt: skip
+    return finish
 
 
 def simulate(
@@ -279,7 +307,6 @@ def simulate(
         finish = np.full(n, np.inf)
         peaks: dict[str, int] = {}
         prefill_done: np.ndarray | None = None
-        cap = perf.settings.max_batch_tokens
         pre = by_phase.get("prefill", [])
         dec = by_phase.get("decode", [])
         agg = by_phase.get("aggregated", [])
@@ -287,8 +314,13 @@ def simulate(
             route = smooth_wrr([i.throughput for i in agg], n)
             for k, agg_inst in enumerate(agg):
                 mine = np.flatnonzero(route == k)
-                fst, fin, peak = _aggregated_pass(
-                    agg_inst, trace.arrival_s[mine], trace.prompt[mine], trace.output[mine], cap
+                fst, fin, peak = _engine_pass(
+                    agg_inst,
+                    trace.arrival_s[mine],
+                    trace.prompt[mine],
+                    trace.output[mine],
+                    agg_inst.max_batched_tokens,
+                    agg_inst.max_running,
                 )
                 first[mine], finish[mine] = fst, fin
                 peaks[names["aggregated"][k]] = peak
@@ -297,9 +329,7 @@ def simulate(
             prefill_done = np.full(n, np.inf)
             for k, pre_inst in enumerate(pre):
                 mine = np.flatnonzero(route == k)
-                prefill_done[mine] = _prefill_pass(
-                    pre_inst, trace.arrival_s[mine], trace.prompt[mine], cap
-                )
+                prefill_done[mine] = _prefill_only(pre_inst, trace.arrival_s[mine], trace.prompt[mine])
             # vLLM's PD proxy: prefill runs with max_tokens=1, the KV moves, and the decode
             # instance streams every output token, so the client's first token is decode's first.
             need = trace.output
@@ -368,9 +398,8 @@ def capacity_check(
         trace = generate_trace(
             rate, duration_s, spec.mean_prompt_tokens, spec.mean_output_tokens, shape=fixed
         )
-        cap = perf.settings.max_batch_tokens
         if template.phase == "prefill":
-            finish = _prefill_pass(inst, trace.arrival_s, trace.prompt, cap)
+            finish = _prefill_only(inst, trace.arrival_s, trace.prompt)
             work = trace.prompt
         elif template.phase == "decode":
             _, finish, _ = _decode_pass(
@@ -378,7 +407,14 @@ def capacity_check(
             )
             work = trace.output
         else:
-            _, finish, _ = _aggregated_pass(inst, trace.arrival_s, trace.prompt, trace.output, cap)
+            _, finish, _ = _engine_pass(
+                inst,
+                trace.arrival_s,
+                trace.prompt,
+                trace.output,
+                inst.max_batched_tokens,
+                inst.max_running,
+            )
             work = np.ones(len(trace), dtype=np.int64)
         start = duration_s / 3
         window = (finish >= start) & (finish < duration_s)

@@ -208,7 +208,7 @@ def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candi
         candidates = [_vllm_per_gpu(rows, nodes)]
     counts = {rows.perf.catalog.node(n).gpu_count for n in nodes}
     if len(counts) == 1 and mode == "vllm":
-        candidates.append(_vllm_per_node(rows, nodes))
+        candidates.append(vllm_per_node(rows, nodes))
     found = [c for c in candidates if c is not None]
     return max(found, key=lambda c: c.throughput, default=None)
 
@@ -234,7 +234,7 @@ def _general(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     return Candidate(nodes, "general", placement, procs)
 
 
-def _vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
+def vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
     """One stage per node, all at the largest TP degree the (uniform) node size allows.
 
     Pipeline order: by node config, except that the config whose node ends the chain best (the

@@ -21,6 +21,9 @@ from solver.stack import ModelSpec
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Phase
 
+CHUNK_TPOT_FACTOR = 2.0  # an aggregated step may take up to this many TPOT SLOs (see bench_vidur)
+MIN_CHUNK_TOKENS = 256
+
 
 @dataclass(frozen=True)
 class Member:
@@ -78,22 +81,46 @@ class InstanceModel:
         )
         self.kv_bytes_per_token = card.kv_bytes_per_token_per_layer * card.layers
         self._decode: dict[int, float] = {}
+        self._batch_fixed: dict[tuple[int, int, str, int], float] = {}
+        self._attention: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._prefill: dict[int, tuple[float, float]] = {}
         # The runtime caps batches at what meets the SLO (vLLM's --max-num-seqs and
         # --max-num-batched-tokens), as the template library assumed when it sized them.
         self.max_running = 1 << 30
         self.max_prefill_tokens = 1 << 30
+        self.max_batched_tokens = 1 << 30
         if slo_ms is not None:
             pre_slo, dec_slo = slo_ms
-            self.max_running = max(
-                1, _largest(lambda b: self.decode_round_ms(b) <= dec_slo, 1 << 16)
-            )
+            # --max-num-seqs: the largest decode batch within the TPOT SLO, and no more
+            # sequences than the KV cache holds at the mean context (more would only be
+            # preempted and recomputed).
+            # A prefill-only instance decodes nothing: only the KV cache bounds its sequences.
+            kv_seqs = int(self.kv_capacity // max(1.0, spec_ctx))
+            if template.phase == "prefill":
+                self.max_running = max(1, kv_seqs)
+            else:
+                self.max_running = max(
+                    1, min(_largest(lambda b: self.decode_round_ms(b) <= dec_slo, 1 << 16), kv_seqs)
+                )
             self.max_prefill_tokens = max(
                 64,
                 _largest(
                     lambda x: self.prefill_ms(x)[0] <= pre_slo, perf.settings.max_batch_tokens
                 ),
             )
+            # --max-num-batched-tokens, the chunk of every step. A prefill-only instance takes
+            # the SLO-feasible prefill batch. An aggregated one shares each step with decodes:
+            # its chunk is the largest whose step (all stages) stays within CHUNK_TPOT_FACTOR x
+            # the TPOT SLO, so prefill stalls decodes by a bounded amount.
+            chunk = self.max_prefill_tokens
+            if template.phase == "aggregated":
+                chunk = min(
+                    chunk,
+                    _largest(
+                        lambda x: self.prefill_ms(x)[0] <= CHUNK_TPOT_FACTOR * dec_slo, chunk
+                    ),
+                )
+            self.max_batched_tokens = max(chunk, self.max_running, MIN_CHUNK_TOKENS)
 
     def _member_shares(self, i: int, phase: Phase) -> tuple[float, ...]:
         stage = self.stages[i]
@@ -123,6 +150,54 @@ class InstanceModel:
         batches capped at the SLO-feasible sizes (what the Pulumi program passes to vLLM)."""
         slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
         return cls(perf, template, spec.decode_context_tokens, spec.mean_prompt_tokens, slo)
+
+    def batch_stage_ms(
+        self, tokens: int, decode_seqs: int, decode_context: float, prefill_pairs: float
+    ) -> list[float]:
+        """Each stage's time for one mixed micro-batch (vLLM's chunked prefill): `tokens` tokens
+        in all, `decode_seqs` of them decodes at a mean context of `decode_context`, and
+        prefill chunks with `prefill_pairs` = sum of chunk x (cached + chunk). A data-parallel
+        stage splits the batch by its members' shares and takes its slowest.
+
+        The simulator calls this once per engine step: the token-proportional part of each
+        stage (layers, per-step cost, hop) is memoised per token count, attention is two
+        multiply-adds."""
+        phase: Phase = "prefill" if prefill_pairs > 0 else "decode"
+        held = self.perf.card(self.model).kv_tokens_held(decode_context) if decode_seqs else 0.0
+        out = []
+        for i, stage in enumerate(self.stages):
+            worst = 0.0
+            for k, (m, share) in enumerate(
+                zip(stage.members, self._shares[(i, "prefill")], strict=True)
+            ):
+                t = max(1, math.ceil(tokens * share))
+                key = (i, k, phase, t)
+                fixed = self._batch_fixed.get(key)
+                if fixed is None:
+                    linear = self.perf.linear_layer_ms(self.model, m.node, m.tp, phase, t)
+                    if linear is None:  # measured table: whole layers, attention included
+                        linear = self.perf.batch_layer_ms(
+                            self.model, m.node, m.tp, t, decode_seqs, decode_context, prefill_pairs
+                        )
+                        self._attention[(i, k)] = (0.0, 0.0, 0.0, 0.0)
+                    fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
+                    if stage.hop:
+                        fixed += self.perf.hop_ms(self.model, m.node, t)
+                    self._batch_fixed[key] = fixed
+                terms = self._attention.get((i, k))
+                if terms is None:
+                    terms = self._attention[(i, k)] = self.perf.attention_terms(
+                        self.model, m.node, m.tp
+                    )
+                dec_lat, dec_ms, pre_lat, pre_ms = terms
+                attention = 0.0
+                if decode_seqs:
+                    attention += dec_lat + math.ceil(decode_seqs * share) * held * dec_ms
+                if prefill_pairs:
+                    attention += pre_lat + prefill_pairs * share * pre_ms
+                worst = max(worst, fixed + stage.layers * attention)
+            out.append(worst)
+        return out
 
     def decode_round_ms(self, running: int) -> float:
         if running not in self._decode:

@@ -13,13 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.errors import InputError
-from solver.simulation.simulator import (
-    _aggregated_pass,
-    _decode_pass,
-    _prefill_pass,
-    simulate,
-    smooth_wrr,
-)
+from solver.simulation.simulator import _decode_pass, _engine_pass, simulate, smooth_wrr
 from solver.simulation.traces import WorkloadShape, generate_trace, load_trace_csv
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
@@ -45,24 +39,87 @@ REQUESTS = st.lists(
 )
 
 
-def test_three_requests_by_hand():
-    """Prefill: A (t=0, 100 tok) starts alone: done 10 ms, next batch may start at 5 ms.
-    B (t=1 ms, 200) and C (t=2 ms, 100) wait and batch together at 5 ms: 300 tok, done 35 ms.
-
-    Decode (A ready 10 ms needs 2 tokens, B ready 35 ms needs 1, C ready 35 ms needs 3):
-    A alone: rounds of 11 ms; B arrives at 35 ms, so A runs ceil(25/11) = 3 rounds?  No: A only
-    needs 2, so it finishes at 10 + 2 x 11 = 32 ms. At 35 ms B and C join: rounds of 12 ms; B
-    finishes at 47 ms; C alone then: 59 + 11 = 70 ms... C's rounds: 35->47 (1), 47->58 (2, alone
-    at 11 ms), 58->69 (3)."""
+def test_decode_pass_by_hand():
+    """A (ready 10 ms, 2 tokens), B and C (ready 35 ms, 1 and 3 tokens). A alone: rounds of
+    11 ms, done at 10 + 2 x 11 = 32 ms. At 35 ms B and C join: a round of 12 ms; B is done at
+    47 ms, C alone then: 47 -> 58 -> 69 ms."""
     inst = FixedInstance()
-    done = _prefill_pass(inst, np.array([0.0, 0.001, 0.002]), np.array([100, 200, 100]), 65536)
-    assert done == pytest.approx([0.010, 0.035, 0.035])
     first, finish, peak = _decode_pass(
         inst, np.array([0.010, 0.035, 0.035]), np.array([102, 201, 103]), np.array([2, 1, 3])
     )
     assert first == pytest.approx([0.021, 0.047, 0.047])
     assert finish == pytest.approx([0.032, 0.047, 0.069])
     assert peak == 201 + 103
+
+
+@dataclass
+class FixedEngine:
+    """A pipeline whose every stage takes 1 ms + 0.1 ms per token of the micro-batch (plus, to
+    show interference, 0.01 ms per cached token of its decodes)."""
+
+    stages: tuple[int, ...] = (1,)
+    kv_capacity: int = 10_000
+
+    def batch_stage_ms(
+        self, tokens: int, decode_seqs: int, decode_context: float, prefill_pairs: float
+    ) -> list[float]:
+        return [1.0 + 0.1 * tokens] * len(self.stages)
+
+
+def test_engine_chunks_prefill_and_shares_steps_with_decode_by_hand():
+    """Chunk 100. A (t=0, prompt 150, 3 out): its first chunk of 100 runs 0-11 ms. B (t=1 ms,
+    prompt 50, 2 out) waits. At 11 ms one step holds A's last 50 and B's 50: 11-22 ms, both
+    first tokens at 22 ms. Then both decode in one step of 2 tokens (1.2 ms): B is done at
+    23.2 ms; A decodes alone (1.1 ms): done at 24.3 ms."""
+    first, finish, peak = _engine_pass(
+        FixedEngine(), np.array([0.0, 0.001]), np.array([150, 50]), np.array([3, 2]), 100, 8
+    )
+    assert first == pytest.approx([0.022, 0.022])
+    assert finish == pytest.approx([0.0243, 0.0232])
+    assert peak == 160 + 64  # 16-token blocks: A holds 10 (150 + a decode), B 4 (50 + 1)
+
+
+def test_engine_keeps_one_micro_batch_per_stage_in_flight_by_hand():
+    """Two stages of 11 ms for 100 tokens. A and B (t=0, 100-token prompts, 1 out each, chunk
+    100): A enters stage 1 at 0, stage 2 at 11 ms (done 22 ms); B enters stage 1 when it frees
+    at 11 ms, stage 2 at 22 ms: done 33 ms. A request is never in two micro-batches."""
+    _, finish, _ = _engine_pass(
+        FixedEngine(stages=(1, 1)), np.array([0.0, 0.0]), np.array([100, 100]), np.array([1, 1]),
+        100, 8,
+    )  # fmt: skip
+    assert finish == pytest.approx([0.022, 0.033])
+
+
+def test_a_prefill_chunk_stalls_the_decodes_beside_it_for_its_whole_pipeline():
+    """Regression: decode used to resume once a prefill left the first stage. A decodes (out 4)
+    while B's 400-token prompt arrives: every step holding one of B's chunks takes both stages
+    at the chunk's size, so A's TPOT rises with B's prompt, and by more on two stages than one."""
+
+    def tpot(stages: tuple[int, ...], b_prompt: int) -> float:
+        first, finish, _ = _engine_pass(
+            FixedEngine(stages=stages),
+            np.array([0.0, 0.0005]),
+            np.array([10, b_prompt]),
+            np.array([4, 1]),
+            200,
+            8,
+        )
+        return float(finish[0] - first[0]) / 3
+
+    assert tpot((1,), 400) > tpot((1,), 10)
+    assert tpot((1, 1), 400) > tpot((1,), 400)
+
+
+def test_engine_preempts_when_the_kv_cache_fills_and_still_finishes_everything():
+    """Paged KV: 8 blocks of 16 tokens. Two requests of 40 + 40 tokens need 5 blocks each at
+    the end; both are admitted (3 blocks each at first), then one is preempted and recomputed,
+    and both finish, with the peak within the capacity."""
+    first, finish, peak = _engine_pass(
+        FixedEngine(kv_capacity=128), np.array([0.0, 0.0]), np.array([40, 40]), np.array([40, 40]),
+        512, 8,
+    )  # fmt: skip
+    assert np.all(np.isfinite(finish)) and np.all(finish > first)
+    assert peak <= 128
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
@@ -84,39 +141,36 @@ def test_decode_invariants(reqs, capacity, max_running):
     assert np.all(finish[fits] - ready[fits] >= tokens[fits] * 0.011 - 1e-9)
 
 
-def test_aggregated_prefill_stalls_decode_by_hand():
-    """One pipeline time-shares the phases; prefill's latency is 0.1 ms/token and it holds the
-    first stage for 0.05 ms/token. A (t=0, 100 tok prompt, 3 out) prefills from 0: first stage
-    free at 5 ms, first token at 10 ms. Decode rounds of 11 ms: 10-21 ms. B (t=15 ms, 200 tok,
-    2 out) arrived meanwhile, so at 21 ms B's prefill takes the pipeline's first stage until
-    31 ms (its first token at 41 ms) while A waits. A's last round: 31-42 ms. B decodes its
-    second token 42-53 ms. A's TPOT is (42 - 10) / 2 = 16 ms against 11 ms rounds: the stall
-    is in it."""
-    inst = FixedInstance()
-    first, finish, peak = _aggregated_pass(
-        inst, np.array([0.0, 0.015]), np.array([100, 200]), np.array([3, 2]), 65536
-    )
-    assert first == pytest.approx([0.010, 0.041])
-    assert finish == pytest.approx([0.042, 0.053])
-    assert peak == 103 + 202
+def test_two_prompts_that_do_not_fit_together_both_finish():
+    """Regression: two long prompts that fit the KV cache alone but not together preempted
+    each other forever on a two-stage pipeline (each in flight while the other needed blocks).
+    The earliest admitted is never preempted by a later one, so both finish, one after the
+    other."""
+    first, finish, peak = _engine_pass(
+        FixedEngine(stages=(1, 1), kv_capacity=4096), np.array([0.0, 0.0]),
+        np.array([3000, 2500]), np.array([1, 1]), 512, 8,
+    )  # fmt: skip
+    assert np.all(np.isfinite(finish)) and finish[0] < finish[1]
+    assert peak <= 4096
 
 
 @settings(max_examples=60, deadline=None, derandomize=True)
-@given(REQUESTS, st.integers(300, 3000), st.integers(1, 64))
-def test_aggregated_invariants(reqs, capacity, max_running):
+@given(REQUESTS, st.integers(300, 3000), st.integers(1, 64), st.sampled_from([64, 256, 2048]))
+def test_engine_invariants(reqs, capacity, max_running, chunk):
     """Every request that fits gets its first token after arrival and finishes once, after it;
-    KV never exceeds the capacity; output tokens after the first take at least a round each."""
-    inst = FixedInstance(kv_capacity=capacity, max_running=max_running)
+    one that can never fit is left unfinished; KV never exceeds the capacity; output tokens after
+    the first take at least a step each."""
+    inst = FixedEngine(kv_capacity=capacity)
     reqs.sort()
     arrival = np.array([r[0] for r in reqs])
     prompt = np.array([r[1] for r in reqs])
     output = np.array([r[2] for r in reqs])
-    first, finish, peak = _aggregated_pass(inst, arrival, prompt, output, 65536)
-    fits = prompt + output <= capacity
+    first, finish, peak = _engine_pass(inst, arrival, prompt, output, chunk, max_running)
+    fits = -(-(prompt + output) // 16) * 16 <= capacity
     assert np.all(np.isfinite(finish[fits])) and np.all(np.isinf(finish[~fits]))
     assert np.all(first[fits] > arrival[fits]) and np.all(finish[fits] >= first[fits])
     assert peak <= capacity
-    assert np.all(finish[fits] - first[fits] >= (output[fits] - 1) * 0.011 - 1e-9)
+    assert np.all(finish[fits] - first[fits] >= (output[fits] - 1) * 0.0011 - 1e-9)
 
 
 def test_weighted_round_robin_follows_template_throughput():

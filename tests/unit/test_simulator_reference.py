@@ -1,5 +1,5 @@
-"""The simulator's fast passes against their plain numpy formulation (the code before the speed
-work of #20/#16), bit for bit: every first-token, finish and prefill time, every peak, every route.
+"""The simulator's fast decode pass and routing against their plain numpy formulation, bit for
+bit: every first-token and finish time, every peak, every route.
 
 The reference functions below re-scan the running batch with numpy at every event; the simulator
 keeps a heap of finishing rounds, Python scalars and a tiled round-robin sequence instead. Both
@@ -15,12 +15,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.simulation.simulator import (
-    _aggregated_pass,
-    _decode_pass,
-    _prefill_pass,
-    smooth_wrr,
-)
+from solver.simulation.simulator import _decode_pass, smooth_wrr
 
 
 @dataclass
@@ -52,35 +47,6 @@ def ref_wrr(weights: list[float], n: int) -> np.ndarray:
         current[best] -= total
         out[r] = best
     return out
-
-
-def ref_chunked(
-    inst: Instance, start: float, prompts: np.ndarray, limit: int
-) -> tuple[np.ndarray, float]:
-    total = int(prompts.sum())
-    chunk = min(total, limit)
-    n = math.ceil(total / chunk)
-    latency, period = inst.prefill_ms(chunk)
-    last_latency, last_period = inst.prefill_ms(total - (n - 1) * chunk)
-    k = np.ceil(np.cumsum(prompts) / chunk)
-    done_ms = np.where(k < n, latency + (k - 1) * period, (n - 1) * period + last_latency)
-    return start + done_ms / 1e3, start + ((n - 1) * period + last_period) / 1e3
-
-
-def ref_prefill(inst: Instance, arrival: np.ndarray, prompt: np.ndarray, cap: int) -> np.ndarray:
-    n = len(arrival)
-    done = np.full(n, np.inf)
-    t_free, i = 0.0, 0
-    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    while i < n:
-        start = max(t_free, arrival[i])
-        j, tokens = i, 0
-        while j < n and arrival[j] <= start and (j == i or tokens + prompt[j] <= limit):
-            tokens += int(prompt[j])
-            j += 1
-        done[i:j], t_free = ref_chunked(inst, start, prompt[i:j], limit)
-        i = j
-    return done
 
 
 def ref_rounds(
@@ -151,72 +117,6 @@ def ref_decode(
     return first, finish, peak
 
 
-def ref_aggregated(
-    inst: Instance, arrival: np.ndarray, prompt: np.ndarray, output: np.ndarray, cap: int
-) -> Passed:
-    n = len(arrival)
-    first, finish = np.full(n, np.inf), np.full(n, np.inf)
-    context = prompt + output
-    limit = max(1, min(cap, inst.kv_capacity, inst.max_prefill_tokens))
-    run_idx = np.empty(0, dtype=np.int64)
-    run_left = np.empty(0, dtype=np.int64)
-    pend_idx = np.empty(0, dtype=np.int64)
-    kv_used = peak = 0
-    t, nxt = 0.0, 0
-    while nxt < n or len(run_idx) or len(pend_idx):
-        if len(pend_idx):
-            ready = first[pend_idx] <= t
-            run_idx = np.concatenate([run_idx, pend_idx[ready]])
-            run_left = np.concatenate([run_left, output[pend_idx[ready]] - 1])
-            pend_idx = pend_idx[~ready]
-        done = run_left <= 0
-        if done.any():
-            finish[run_idx[done]] = first[run_idx[done]]
-            kv_used -= int(context[run_idx[done]].sum())
-            run_idx, run_left = run_idx[~done], run_left[~done]
-        if nxt < n and context[nxt] > inst.kv_capacity:
-            nxt += 1
-            continue
-        batch: list[int] = []
-        while (
-            nxt < n
-            and arrival[nxt] <= t
-            and kv_used + context[nxt] <= inst.kv_capacity
-            and len(run_idx) + len(pend_idx) + len(batch) < inst.max_running
-        ):
-            kv_used += int(context[nxt])
-            batch.append(nxt)
-            nxt += 1
-        peak = max(peak, kv_used)
-        if batch:
-            ids = np.array(batch, dtype=np.int64)
-            first[ids], t = ref_chunked(inst, t, prompt[ids], limit)
-            pend_idx = np.concatenate([pend_idx, ids])
-            continue
-        if not len(run_idx):
-            waits = [first[pend_idx].min()] if len(pend_idx) else []
-            if nxt < n and arrival[nxt] > t:
-                waits.append(arrival[nxt])
-            if not waits:
-                continue
-            t = max(t, min(waits))
-            continue
-        round_s = inst.decode_round_ms(len(run_idx)) / 1e3
-        k = int(run_left.min())
-        blocked = nxt < n and (
-            kv_used + context[nxt] > inst.kv_capacity
-            or len(run_idx) + len(pend_idx) >= inst.max_running
-        )
-        if nxt < n and not blocked:
-            k = min(k, max(1, math.ceil((arrival[nxt] - t) / round_s)))
-        if len(pend_idx):
-            k = min(k, max(1, math.ceil((first[pend_idx].min() - t) / round_s)))
-        t, run_idx, run_left, kv_used = ref_rounds(
-            t, k, round_s, run_idx, run_left, finish, context, kv_used
-        )
-    return first, finish, peak
-
-
 def same(a: np.ndarray, b: np.ndarray) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and np.array_equal(a, b)
 
@@ -245,28 +145,12 @@ def arrays(reqs: list[tuple[float, int, int]]) -> tuple[np.ndarray, np.ndarray, 
 
 
 @settings(max_examples=150, deadline=None, derandomize=True)
-@given(REQUESTS, INSTANCES, st.sampled_from([512, 2048, 65536]))
-def test_prefill_pass_is_the_reference_bit_for_bit(reqs, inst, cap):
-    arrival, prompt, _ = arrays(reqs)
-    assert same(_prefill_pass(inst, arrival, prompt, cap), ref_prefill(inst, arrival, prompt, cap))
-
-
-@settings(max_examples=150, deadline=None, derandomize=True)
 @given(REQUESTS, INSTANCES)
 def test_decode_pass_is_the_reference_bit_for_bit(reqs, inst):
     ready, prompt, output = arrays(reqs)
     context = prompt + output
     first, finish, peak = _decode_pass(inst, ready, context, output)
     ref_first, ref_finish, ref_peak = ref_decode(inst, ready, context, output)
-    assert same(first, ref_first) and same(finish, ref_finish) and peak == ref_peak
-
-
-@settings(max_examples=150, deadline=None, derandomize=True)
-@given(REQUESTS, INSTANCES, st.sampled_from([512, 2048, 65536]))
-def test_aggregated_pass_is_the_reference_bit_for_bit(reqs, inst, cap):
-    arrival, prompt, output = arrays(reqs)
-    first, finish, peak = _aggregated_pass(inst, arrival, prompt, output, cap)
-    ref_first, ref_finish, ref_peak = ref_aggregated(inst, arrival, prompt, output, cap)
     assert same(first, ref_first) and same(finish, ref_finish) and peak == ref_peak
 
 
