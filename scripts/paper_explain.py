@@ -80,7 +80,7 @@ def tighten(
     def solve(factors: dict[str, float]) -> Plan:
         return plan_stack(name, fleet, perf.catalog, p.libs, None, method, factors)
 
-    loop = _Loop(fleet, perf, base_factors(fleet, p.libs, pe.ROOT, cache), solve, pe.ROOT, None)
+    loop = _Loop(fleet, perf, base_factors(fleet, perf, p.libs, pe.ROOT, cache), solve, pe.ROOT, None)
     head = headroom_of(p.plan, p.libs)
     plan, planned, _ = loop.run(head)
     trials = 1
@@ -124,7 +124,7 @@ def at_headroom(
     phase), verified: whether Coral serving less than a baseline comes from the loop's end state
     rather than from its columns (Coral's columns include the baseline's)."""
     head = headroom_of(other, p.libs)
-    factors = _scaled(base_factors(fleet, p.libs, pe.ROOT, cache), head)
+    factors = _scaled(base_factors(fleet, perf, p.libs, pe.ROOT, cache), head)
     plan = plan_stack(name, fleet, perf.catalog, p.libs, None, "coral", factors)
     return _verified(plan, fleet, perf, {}, head, pe.ROOT)
 

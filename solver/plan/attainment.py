@@ -46,6 +46,7 @@ from solver.simulation.workload import (
     request_rate,
 )
 from solver.stack import FleetConfig, ModelSpec
+from solver.templates.instance_model import InstanceModel
 from solver.templates.library import Library
 from solver.types import Job
 
@@ -62,6 +63,7 @@ PlanFn = Callable[[dict[str, float]], Plan]
 
 def base_factors(
     fleet: FleetConfig,
+    perf: PerfModel,
     libs: dict[Job, Library],
     root: Path | None = None,
     cache: Path | None = None,
@@ -78,7 +80,7 @@ def base_factors(
         for (m, phase), lib in sorted(libs.items()):
             if m != model:
                 continue
-            f = _cached(cache, lib, spec, workload)
+            f = _cached(cache, lib, spec, workload, perf)
             for t, x in zip(lib.templates, f, strict=True):
                 out[template_ref(model, phase, t.key)] = round(float(x), 6)
     return out
@@ -89,10 +91,11 @@ def _cached(
     lib: Library,
     spec: ModelSpec,
     workload: Workload,
+    perf: PerfModel,
 ) -> np.ndarray:
     """`_reachable_factors`, or its result saved under `cache` for the same inputs."""
     if cache is None:
-        return _reachable_factors(lib, spec, workload)
+        return _reachable_factors(lib, spec, workload, perf)
     key = digest(
         [
             CAPACITY_MODEL_VERSION,
@@ -112,21 +115,29 @@ def _cached(
                 return np.asarray(saved, dtype=np.float64)
         except (OSError, ValueError):
             pass  # unreadable: computed again and rewritten below
-    values = _reachable_factors(lib, spec, workload)
+    values = _reachable_factors(lib, spec, workload, perf)
     buffer = io.BytesIO()
     np.save(buffer, values)
     write_atomic(path, buffer.getvalue())
     return values
 
 
-def _reachable_factors(lib: Library, spec: ModelSpec, workload: Workload) -> np.ndarray:
+def _reachable_factors(
+    lib: Library, spec: ModelSpec, workload: Workload, perf: PerfModel
+) -> np.ndarray:
     """Factors at the model's target or, when no template reaches it (prompts too long for
     the SLO on every template), at the highest target some template reaches, in steps of
     0.01; when none reaches any, a token UNREACHABLE_FACTOR for every template, so the plan
     still serves and the verification reports the model short, with why."""
     target = spec.slo_attainment
     while target > 0:
-        f = capacity_factors(lib.templates, spec.slo_ms, workload, target)
+        f = capacity_factors(
+            lib.templates,
+            spec.slo_ms,
+            workload,
+            target,
+            lambda t: InstanceModel.serving(perf, t, spec),
+        )
         if f.max(initial=0.0) > 0:
             return f
         target = round(target - 0.01, 3)
@@ -144,7 +155,7 @@ def plan_to_target(
 ) -> Plan:
     """The closed loop and the verification (module doc); `solve(factors)` plans once;
     `cache`: where the capacity model's factors are kept (`base_factors`)."""
-    loop = _Loop(fleet, perf, base_factors(fleet, libs, root, cache), solve, root, progress)
+    loop = _Loop(fleet, perf, base_factors(fleet, perf, libs, root, cache), solve, root, progress)
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)

@@ -5,6 +5,8 @@ template can only raise the optimum): `tests/unit/test_attainment.py` checks tha
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -51,9 +53,31 @@ def workload(sigma: float, scv: float, mean: float = 1_000.0) -> Workload:
     return Workload(lengths, lengths / 5, scv)
 
 
+@dataclass(frozen=True)
+class LinearInstance:
+    """An aggregated instance stand-in: every stage takes 1 ms + per_token_ms per token of its
+    micro-batch, plus 0.001 ms per decode sequence per 100 context tokens."""
+
+    stages: tuple[int, ...]
+    per_token_ms: float
+    max_batched_tokens: int = 512
+    max_running: int = 64
+
+    def batch_stage_ms(
+        self, tokens: int, decode_seqs: int, decode_context: float, prefill_pairs: float
+    ) -> list[float]:
+        ms = 1.0 + self.per_token_ms * tokens + 1e-5 * decode_seqs * decode_context
+        return [ms] * len(self.stages)
+
+
+def instance(t: ServingTemplate) -> LinearInstance:
+    # Per-token time from T̂: a faster template's steps are shorter.
+    return LinearInstance(tuple(range(len(t.stages))), 1e3 / (t.throughput * 2_000))
+
+
 def factors(phase, specs, slo, wl, target):
     ts = [template(phase, thr, s, slo.prefill * b / s) for thr, s, b in specs]
-    return capacity_factors(ts, slo, wl, target)
+    return capacity_factors(ts, slo, wl, target, instance)
 
 
 phases = st.sampled_from(["prefill", "decode", "aggregated"])

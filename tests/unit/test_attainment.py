@@ -66,7 +66,7 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
     doc["config"]["coral:fleet"]["attainment"] = {"rounds": 0}
     (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
-    monkeypatch.setattr(attainment, "base_factors", lambda fleet, libs, root=None, cache=None: _ones(libs))
+    monkeypatch.setattr(attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs))
     monkeypatch.chdir(root)
     old = root / "plan.json"
     old.write_bytes(b"the running plan\n")
@@ -87,7 +87,7 @@ def _ones(libs):
 def test_the_program_refuses_a_plan_below_target_unless_the_stack_accepts_it(
     tmp_path, monkeypatch, preview
 ):
-    monkeypatch.setattr(attainment, "base_factors", lambda fleet, libs, root=None, cache=None: _ones(libs))
+    monkeypatch.setattr(attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs))
     root = project(tmp_path)
     path = root / "stacks" / "Pulumi.s.yaml"
     doc = yaml.safe_load(path.read_text())
