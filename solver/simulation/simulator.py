@@ -343,7 +343,8 @@ def simulate(
                 ready = prefill_done[mine] + transfer
                 order = np.argsort(ready, kind="stable")
                 idx = mine[order]
-                has = need[idx] > 0
+                # A prompt its prefill instance could never hold never reaches decode (a miss).
+                has = (need[idx] > 0) & np.isfinite(ready[order])
                 f = np.where(has, np.inf, prefill_done[idx])
                 if has.any():
                     fst, fin, peak = _decode_pass(

@@ -229,6 +229,26 @@ def test_a_plan_simulated_below_capacity_meets_its_slos():
     assert math.isfinite(s["ttft_p99_ms"])
 
 
+def test_a_prompt_no_prefill_instance_can_hold_is_a_miss_not_a_crash():
+    """Regression: a prompt larger than the prefill instances' KV cache never finishes prefill
+    (inf); the decode pass used to take its inf ready time and fail. It is now a miss."""
+    f = fleet()
+    from solver.plan.planner import plan_stack
+
+    plan = plan_stack("test", f, perf().catalog, libraries())
+    model, spec = sorted(f.models.items())[0]
+    base = generate_trace(
+        spec.demand.requests_per_s / 2, 60, spec.mean_prompt_tokens, spec.mean_output_tokens,
+        shape=WorkloadShape(arrival_cv=1.0, prompt_sigma=0.0, output_sigma=0.0),
+    )  # fmt: skip
+    huge = base.prompt.copy()
+    huge[0] = 10_000_000
+    traces = {model: type(base)(base.arrival_s, huge, base.output)}
+    r = simulate(plan, f, perf(), traces, 60).models[model]
+    assert np.isinf(r.finish_s[0]) and not r.met[0]
+    assert np.isfinite(r.finish_s[1:]).all()
+
+
 def test_cli_simulate_json(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 

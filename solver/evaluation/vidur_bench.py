@@ -1,0 +1,211 @@
+"""`scripts/bench_vidur`: our simulator and our capacity model beside Vidur on the same requests.
+
+For every case (Llama-2-70B on A100-80GB, TP 2, PP 1 or 2, aggregated or prefill-only, fixed or
+lognormal lengths) and every rate of a geometric grid, the same Poisson request stream goes to our
+engine and, when `.vidur-venv` exists (`scripts/vidur_env`), to Vidur's `sarathi` scheduler with
+the chunk and batch cap we render (and its `vllm` scheduler for reference). It writes
+`results.json`, `table.md` (TTFT/TPOT p50/p90, throughput and the highest rate meeting the SLOs
+per tool) and `rates.png` into the output folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import math
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from solver.evaluation.reference import (
+    CONVERSATION,
+    FIXED,
+    Case,
+    Outcome,
+    Requests,
+    instance_template,
+    plan_capacity,
+    requests,
+    simulate_ours,
+)
+from solver.io import write_atomic
+from solver.performance.default_model import load_perf_model
+from solver.performance.kernel_fit import vidur_sim_dir
+from solver.stack import Slo
+from solver.templates.instance_model import InstanceModel
+from solver.types import LibPhase
+
+ROOT = Path(__file__).resolve().parents[2]
+RUNNER = Path(__file__).with_name("vidur_runner.py")
+VIDUR_PYTHON = ROOT / ".vidur-venv" / "bin" / "python"
+SLO = Slo(prefill=1500, decode=80)
+MODEL, NODE = "llama2-70b", "a100-80gbx2"
+RATES = [round(0.1 * 2 ** (k / 2), 3) for k in range(11)]  # 0.1 .. 3.2 req/s
+
+
+def cases() -> list[Case]:
+    phases: tuple[LibPhase, ...] = ("aggregated", "prefill")
+    return [
+        Case(MODEL, nodes, phase, SLO, 1024, 256, shape)
+        for shape in (FIXED, CONVERSATION)
+        for nodes in ((NODE,), (NODE, NODE))
+        for phase in phases
+    ]
+
+
+def run_vidur(case: Case, req: Requests, scheduler: str, chunk: int, cap: int) -> Outcome | None:
+    """Vidur on the requests (None when its environment is missing or it fails)."""
+    if not VIDUR_PYTHON.exists():
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = Path(tmp) / "requests.csv"
+        with path.open("w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["arrival_s", "prompt_tokens", "output_tokens"])
+            w.writerows(zip(req.arrival_s.tolist(), req.prompt.tolist(), req.output.tolist(), strict=True))
+        out = Path(tmp) / "out.json"
+        cmd = [str(VIDUR_PYTHON), str(RUNNER), "simulate", "--requests", str(path),
+               "--profiles", str(vidur_sim_dir()), "--pp", str(len(case.nodes)), "--tp", "2",
+               "--scheduler", scheduler, "--chunk-size", str(chunk), "--batch-cap", str(cap),
+               "--out", str(out)]  # fmt: skip
+        done = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=ROOT)
+        if done.returncode != 0 or not out.exists():
+            print(f"  vidur failed ({scheduler}): {done.stderr.strip()[-400:]}")
+            return None
+        rows = json.loads(out.read_text())["requests"]
+    ttft = np.array([r["ttft_s"] if r["ttft_s"] is not None else math.inf for r in rows])
+    tpot = np.array([r["tpot_s"] if r["tpot_s"] is not None else math.inf for r in rows])
+    done_s = np.array([r["completed_s"] if r["completed_s"] is not None else math.inf for r in rows])
+    return Outcome(ttft, tpot, done_s)
+
+
+def highest_on_grid(rates: list[float], attainment: list[float], target: float) -> float:
+    """Highest rate meeting the target, interpolated between the grid's last meeting rate and
+    the first missing one (geometrically); 0 when the lowest misses."""
+    best = 0.0
+    for i, (r, a) in enumerate(zip(rates, attainment, strict=True)):
+        if a < target:
+            if i == 0:
+                return 0.0
+            r0, a0 = rates[i - 1], attainment[i - 1]
+            w = (a0 - target) / max(a0 - a, 1e-9)
+            return round(float(r0 * (r / r0) ** w), 3)
+        best = r
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "vidur")
+    parser.add_argument("--requests", type=int, default=600, help="Requests per run.")
+    parser.add_argument("--no-vidur", action="store_true", help="Only our side.")
+    parser.add_argument("--every", type=int, default=1, help="Every k-th rate of the grid only.")
+    args = parser.parse_args(argv)
+    perf = load_perf_model()
+    rates = RATES[:: args.every]
+    results = []
+    started = time.time()
+    for case in cases():
+        template = instance_template(perf, case)
+        inst = InstanceModel.serving(perf, template, case.spec())
+        chunk, cap = inst.max_batched_tokens, min(inst.max_running, 128)
+        row: dict[str, object] = {
+            "case": case.label, "template": template.key, "chunk": chunk, "batch_cap": cap,
+            "kv_capacity_tokens": inst.kv_capacity,
+            "plan_capacity_req_s": round(plan_capacity(perf, template, case), 3), "rates": {},
+        }  # fmt: skip
+        att: dict[str, list[float]] = {"coral": [], "vidur-sarathi": [], "vidur-vllm": []}
+        for rate in rates:
+            req = requests(case, rate, args.requests, seed=7)
+            runs = {"coral": simulate_ours(perf, template, case, req)}
+            if not args.no_vidur:
+                for sched in ("sarathi", "vllm"):
+                    v = run_vidur(case, req, sched, chunk, cap)
+                    if v is not None:
+                        runs[f"vidur-{sched}"] = v
+            row["rates"][str(rate)] = {k: o.summary(req, SLO) for k, o in runs.items()}  # type: ignore[index]
+            for k, o in runs.items():
+                att[k].append(o.attainment(SLO))
+            print(f"{case.label} {rate:>6} req/s: "
+                  + ", ".join(f"{k} {o.attainment(SLO):.2f}" for k, o in runs.items()),
+                  f"({time.time() - started:.0f} s)", flush=True)  # fmt: skip
+        row["highest_rate_req_s"] = {
+            k: highest_on_grid(rates[: len(v)], v, case.target) for k, v in att.items() if v
+        }
+        results.append(row)
+    args.out.mkdir(parents=True, exist_ok=True)
+    write_atomic(args.out / "results.json", (json.dumps(results, indent=1) + "\n").encode())
+    write_atomic(args.out / "table.md", render_table(results).encode())
+    plot(results, args.out / "rates.png")
+    print(f"wrote {args.out} in {time.time() - started:.0f} s")
+
+
+def render_table(results: list[dict]) -> str:  # type: ignore[type-arg]
+    lines = [
+        "# Our latency model beside Vidur",
+        "",
+        "Llama-2-70B on A100-80GB, TP 2 per stage, SLO TTFT 1500 ms / TPOT 80 ms, target 90% of "
+        "requests within both. Poisson arrivals, 1024-token prompts and 256-token outputs "
+        "(fixed, or lognormal as our \"Azure Conversation\" shape); prefill-only cases end each "
+        "request at its first token. Written by `scripts/bench_vidur`.",
+        "",
+        "## Highest rate meeting the SLOs (req/s)",
+        "",
+        "| case | template | chunk | batch cap | KV tokens | plan capacity | coral simulate | "
+        "Vidur sarathi | Vidur vllm |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in results:
+        h = r["highest_rate_req_s"]
+        lines.append(
+            f"| {r['case']} | `{r['template']}` | {r['chunk']} | {r['batch_cap']} | "
+            f"{r['kv_capacity_tokens']:,} | {r['plan_capacity_req_s']} | {h.get('coral', '-')} | "
+            f"{h.get('vidur-sarathi', '-')} | {h.get('vidur-vllm', '-')} |"
+        )
+    lines += ["", "## Latency per rate (ms; p50 / p90)", ""]
+    lines += ["| case | rate | tool | TTFT p50 | TTFT p90 | TPOT p50 | TPOT p90 | req/s | attainment |",
+              "|---|---:|---|---:|---:|---:|---:|---:|---:|"]  # fmt: skip
+    for r in results:
+        for rate, tools in r["rates"].items():
+            for tool, s in tools.items():
+                lines.append(
+                    f"| {r['case']} | {rate} | {tool} | {s['ttft_p50_ms']} | {s['ttft_p90_ms']} | "
+                    f"{s['tpot_p50_ms']} | {s['tpot_p90_ms']} | {s['throughput_req_s']} | "
+                    f"{s['attainment']} |"
+                )
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: list[dict], path: Path) -> None:  # type: ignore[type-arg]
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharey=True)
+    for ax, r in zip(axes.flat, results, strict=False):
+        for tool, style in (("coral", "o-"), ("vidur-sarathi", "s--"), ("vidur-vllm", "^:")):
+            xs = [float(k) for k, v in r["rates"].items() if tool in v]
+            ys = [v[tool]["attainment"] for v in r["rates"].values() if tool in v]
+            if xs:
+                ax.plot(xs, ys, style, label=tool)
+        ax.axvline(r["plan_capacity_req_s"], color="grey", lw=1, label="plan capacity")
+        ax.axhline(0.9, color="red", lw=0.5)
+        ax.set_xscale("log")
+        ax.set_title(r["case"], fontsize=9)
+        ax.set_xlabel("req/s")
+    axes[0][0].set_ylabel("share within both SLOs")
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    buf = path.with_suffix(".tmp.png")
+    fig.savefig(buf, dpi=90, metadata={"Software": None})
+    plt.close(fig)
+    buf.replace(path)
+
+
+if __name__ == "__main__":
+    main()
