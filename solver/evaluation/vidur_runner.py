@@ -25,10 +25,13 @@ Vidur's `sarathi` or `vllm` replica scheduler. Every other setting is Vidur's de
   limit with any chunk up to 16384 - batch cap.
 * output only: no metrics files, plots or Chrome trace (`write_metrics`, `store_plots`,
   `enable_chrome_trace` off); they never feed back into the simulation.
+* `Request.restart` (preemption by recomputation when the KV cache runs out) is patched: as
+  shipped it aborts the first run that preempts (see `_patch_restart`). How many restarts a run
+  had is in the output's `restarts`.
 * `--batch-cap` sets `batch_size_cap`, `--chunk-size` the sarathi `chunk_size`,
   `--max-tokens-in-batch` the vllm scheduler's prefill token budget (`max_tokens_in_batch`),
   `--max-tokens` the request generator's `max_tokens` (all default to Vidur's: 128, 512, 4096,
-  4096).
+  4096). The vllm scheduler has no chunk: it ignores `--chunk-size`.
 
 Trained predictor models and their tables go to `--cache` (default `.vidur-cache/` at the
 repository root); a second run with the same profiles, TP and settings reads them back.
@@ -61,12 +64,14 @@ minus the fp16 weights of one stage's layers on one GPU, divided by the KV bytes
 those layers) rounded down to whole requests of `max_tokens` tokens. The planner's unrounded
 figure is `kv_tokens_memory_planner` in `config`.
 
-`predict` prints Vidur's execution-time predictor for single batches, as the simulator uses it:
+`predict` writes Vidur's execution-time predictor for single batches, as the simulator uses it:
 `stage_ms` is the time of one batch on pipeline stage 0 (stage time = layers per stage x block
 time + send/recv to the next stage when there is one; Vidur's simulator takes
 `ExecutionTime.total_time`), `last_stage_ms` the same on the last stage. Rows: prefill of one
 request of N tokens (no earlier context) and decode of B requests whose KV length (tokens
-attended, the new one included, Vidur's `num_kv_tokens`) is C. Components are per stage (ms,
+attended, the new one included, Vidur's `num_kv_tokens`) is C. Vidur looks attention up at
+KV sizes rounded up to 256 (a decode batch at the mean of its requests' sizes) and a prefill
+of N tokens at KV size N, both as built here. Components are per stage (ms,
 layers x per-layer time): `mlp` (up, down projections and activation), `attention_proj` (QKV and
 output projections), `attention_rope`, `attention_kernel` (prefill or decode attention),
 `all_reduce` (two per layer, each the predicted NCCL time + 0.02 ms launch overhead), `norm`,
@@ -147,6 +152,44 @@ def _file_digest(paths: list[Path]) -> str:
     return h.hexdigest()[:12]
 
 
+RESTARTS = {"after_prefill": 0, "during_prefill": 0}
+
+
+def _patch_restart() -> None:
+    """Fix two faults of `Request.restart` in vidur 0.0.26 (a preempted request is restarted and
+    recomputed when the KV cache runs out), which otherwise abort any run that preempts:
+
+    * it leaves the per-stage progress (`_num_stage_processed_tokens`,
+      `_is_prefill_stage_complete`) of the first attempt in place, so the next prefill trips
+      `assert self._num_stage_processed_tokens <= self.total_tokens`; reset here like the rest;
+    * it makes the tokens processed so far the new prompt, right once the prefill is complete
+      (prompt + tokens decoded so far are recomputed as one prefill) but wrong for a request
+      caught between chunks (sarathi): its prompt would shrink to the chunks done (0 if none).
+      Such a request keeps its prompt and output lengths here.
+    """
+    from vidur.entities import Request
+
+    def restart(self: Any) -> None:
+        if self._is_prefill_complete:
+            RESTARTS["after_prefill"] += 1
+            total = self._num_prefill_tokens + self._num_decode_tokens
+            self._num_prefill_tokens = self._num_processed_tokens
+            self._num_decode_tokens = total - self._num_prefill_tokens
+        else:
+            RESTARTS["during_prefill"] += 1
+        self._num_processed_tokens = 0
+        self._num_stage_processed_tokens = 0
+        self._num_processed_iterations = 0
+        self._scheduled = False
+        self._preempted = False
+        self._completed = False
+        self._is_prefill_complete = False
+        self._is_prefill_stage_complete = False
+        self._num_restarts += 1
+
+    Request.restart = restart
+
+
 def _load_vidur(profiles: Path, verbose: bool) -> types.SimpleNamespace:
     """Import Vidur with wandb and plotly_express stood in for, its logs on stderr, and its
     predictor reading `profiles` instead of the model hub."""
@@ -185,6 +228,8 @@ def _load_vidur(profiles: Path, verbose: bool) -> types.SimpleNamespace:
     logging.getLogger(skl.__name__).addFilter(
         lambda r: "Failed to load predictions from HF" not in r.getMessage()
     )
+
+    _patch_restart()
 
     import vidur.config as cfg
 
@@ -241,7 +286,7 @@ def _summary(sim_config: Any, kv_capacity: int | None, planner_tokens: int) -> d
         "memory_margin_fraction": cache.memory_margin_fraction,
         "gpu_memory_utilization_unused_by_vidur": rep.gpu_memory_utilization,
         "block_size": cache.block_size,
-        "num_blocks": cache.num_blocks,
+        "num_blocks": None if cache.num_blocks is None else int(cache.num_blocks),
         "watermark_blocks_fraction": cache.watermark_blocks_fraction,
         "kv_capacity_tokens": kv_capacity,
         "kv_tokens_memory_planner": planner_tokens,
@@ -420,6 +465,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
             "requests": rows,
             "kv_capacity_tokens": kv_capacity,
             "config": summary,
+            "restarts": dict(RESTARTS),
             "timing_s": {"setup_incl_predictor": round(setup_s, 3), "simulate": round(run_s, 3)},
             "vidur_version": VIDUR_VERSION,
         }
