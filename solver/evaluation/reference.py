@@ -25,8 +25,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.performance.perf_model import PerfModel
-from solver.plan.slo_capacity import capacity_factors
-from solver.simulation.simulator import _engine_pass
+from solver.plan.slo_capacity import PhaseTarget, capacity_factors, prefill_budget_ms
+from solver.simulation.simulator import engine_pass
 from solver.simulation.traces import WorkloadShape, generate_trace
 from solver.simulation.workload import Workload
 from solver.stack import ModelSpec, Slo
@@ -52,6 +52,16 @@ class Case:
     output: float
     shape: WorkloadShape
     target: float = 0.9
+
+    @property
+    def judged(self) -> tuple[Slo, float]:
+        """The SLOs and the share of requests that must meet them, as the capacity model asks
+        of this phase: an aggregated instance the model's own; a prefill-only one its share of
+        the target within the TTFT budget it leaves to decode (its TPOT is not its own)."""
+        if self.phase != "prefill":
+            return self.slo, self.target
+        budget = Slo(prefill=prefill_budget_ms(self.slo), decode=math.inf)
+        return budget, PhaseTarget.of("prefill", self.target).share
 
     @property
     def label(self) -> str:
@@ -136,7 +146,7 @@ def requests(case: Case, rate: float, n: int, seed: int = 0) -> Requests:
 def simulate_ours(perf: PerfModel, template: ServingTemplate, case: Case, req: Requests) -> Outcome:
     """Our engine on the requests, with the batch caps `coral render` passes to vLLM."""
     inst = InstanceModel.serving(perf, template, case.spec())
-    first, finish, _ = _engine_pass(
+    first, finish, _ = engine_pass(
         inst, req.arrival_s, req.prompt, req.output, inst.max_batched_tokens, inst.max_running
     )
     ttft = first - req.arrival_s

@@ -66,7 +66,9 @@ def run_vidur(case: Case, req: Requests, scheduler: str, chunk: int, cap: int) -
         with path.open("w", newline="") as f:
             w = csv.writer(f)
             w.writerow(["arrival_s", "prompt_tokens", "output_tokens"])
-            w.writerows(zip(req.arrival_s.tolist(), req.prompt.tolist(), req.output.tolist(), strict=True))
+            w.writerows(
+                zip(req.arrival_s.tolist(), req.prompt.tolist(), req.output.tolist(), strict=True)
+            )
         out = Path(tmp) / "out.json"
         cmd = [str(VIDUR_PYTHON), str(RUNNER), "simulate", "--requests", str(path),
                "--profiles", str(vidur_sim_dir()), "--pp", str(len(case.nodes)), "--tp", "2",
@@ -79,7 +81,9 @@ def run_vidur(case: Case, req: Requests, scheduler: str, chunk: int, cap: int) -
         rows = json.loads(out.read_text())["requests"]
     ttft = np.array([r["ttft_s"] if r["ttft_s"] is not None else math.inf for r in rows])
     tpot = np.array([r["tpot_s"] if r["tpot_s"] is not None else math.inf for r in rows])
-    done_s = np.array([r["completed_s"] if r["completed_s"] is not None else math.inf for r in rows])
+    done_s = np.array(
+        [r["completed_s"] if r["completed_s"] is not None else math.inf for r in rows]
+    )
     return Outcome(ttft, tpot, done_s)
 
 
@@ -118,6 +122,8 @@ def main(argv: list[str] | None = None) -> None:
             "kv_capacity_tokens": inst.kv_capacity,
             "plan_capacity_req_s": round(plan_capacity(perf, template, case), 3), "rates": {},
         }  # fmt: skip
+        slo, target = case.judged
+        row["judged"] = {"ttft_ms": slo.prefill, "target": target}
         att: dict[str, list[float]] = {"coral": [], "vidur-sarathi": [], "vidur-vllm": []}
         for rate in rates:
             req = requests(case, rate, args.requests, seed=7)
@@ -127,14 +133,14 @@ def main(argv: list[str] | None = None) -> None:
                     v = run_vidur(case, req, sched, chunk, cap)
                     if v is not None:
                         runs[f"vidur-{sched}"] = v
-            row["rates"][str(rate)] = {k: o.summary(req, SLO) for k, o in runs.items()}  # type: ignore[index]
+            row["rates"][str(rate)] = {k: o.summary(req, slo) for k, o in runs.items()}  # type: ignore[index]
             for k, o in runs.items():
-                att[k].append(o.attainment(SLO))
+                att[k].append(o.attainment(slo))
             print(f"{case.label} {rate:>6} req/s: "
-                  + ", ".join(f"{k} {o.attainment(SLO):.2f}" for k, o in runs.items()),
+                  + ", ".join(f"{k} {o.attainment(slo):.2f}" for k, o in runs.items()),
                   f"({time.time() - started:.0f} s)", flush=True)  # fmt: skip
         row["highest_rate_req_s"] = {
-            k: highest_on_grid(rates[: len(v)], v, case.target) for k, v in att.items() if v
+            k: highest_on_grid(rates[: len(v)], v, target) for k, v in att.items() if v
         }
         results.append(row)
     args.out.mkdir(parents=True, exist_ok=True)
@@ -150,7 +156,7 @@ def render_table(results: list[dict]) -> str:  # type: ignore[type-arg]
         "",
         "Llama-2-70B on A100-80GB, TP 2 per stage, SLO TTFT 1500 ms / TPOT 80 ms, target 90% of "
         "requests within both. Poisson arrivals, 1024-token prompts and 256-token outputs "
-        "(fixed, or lognormal as our \"Azure Conversation\" shape); prefill-only cases end each "
+        '(fixed, or lognormal as our "Azure Conversation" shape); prefill-only cases end each '
         "request at its first token. Written by `scripts/bench_vidur`.",
         "",
         "## Highest rate meeting the SLOs (req/s)",

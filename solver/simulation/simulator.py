@@ -8,7 +8,7 @@ What is modelled:
   stage; the last stage sends none). A data-parallel stage (general mode: several members hold
   the same layers) splits each micro-batch across its members in proportion to their speed, and
   takes as long as its slowest share; its KV capacity is the sum of its members'.
-- **Engine** (`_engine_pass`, vLLM's V1 scheduler with chunked prefill), for aggregated and
+- **Engine** (`engine_pass`, vLLM's V1 scheduler with chunked prefill), for aggregated and
   prefill-only instances: each step is one micro-batch of at most --max-num-batched-tokens
   tokens: the running requests first (a decode takes one token, a prefill in progress its next
   chunk), then waiting ones FCFS while fewer than --max-num-seqs run. A pipeline of S stages
@@ -135,7 +135,7 @@ def _decode_pass(
 KV_BLOCK_TOKENS = 16  # vLLM's default --block-size on CUDA
 
 
-def _engine_pass(
+def engine_pass(
     inst: InstanceModel,
     arrival: np.ndarray,
     prompt: np.ndarray,
@@ -277,7 +277,7 @@ def _engine_pass(
 def _prefill_only(inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray) -> np.ndarray:
     """A disaggregated prefill instance: vLLM's scheduler with max_tokens=1 (each request ends
     with its first token). Returns each request's completion time (s)."""
-    _, finish, _ = _engine_pass(
+    _, finish, _ = engine_pass(
         inst, arrival, prompt, np.ones(len(prompt), dtype=np.int64), inst.max_batched_tokens,
         inst.max_running,
     )  # fmt: skip
@@ -314,7 +314,7 @@ def simulate(
             route = smooth_wrr([i.throughput for i in agg], n)
             for k, agg_inst in enumerate(agg):
                 mine = np.flatnonzero(route == k)
-                fst, fin, peak = _engine_pass(
+                fst, fin, peak = engine_pass(
                     agg_inst,
                     trace.arrival_s[mine],
                     trace.prompt[mine],
@@ -408,7 +408,7 @@ def capacity_check(
             )
             work = trace.output
         else:
-            _, finish, _ = _engine_pass(
+            _, finish, _ = engine_pass(
                 inst,
                 trace.arrival_s,
                 trace.prompt,

@@ -16,13 +16,28 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
+
 from solver.performance.perf_model import PerfModel
 from solver.stack import ModelSpec
+from solver.templates.engine_model import (
+    SEARCH_STEPS,
+    PrefillEngine,
+    aggregated_capacity,
+    prefill_capacity,
+)
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Phase
 
 CHUNK_TPOT_FACTOR = 2.0  # an aggregated step may take up to this many TPOT SLOs (see bench_vidur)
 MIN_CHUNK_TOKENS = 256
+# --max-num-batched-tokens is the candidate that serves the most at the SLO (`engine_model` at
+# the mean lengths): for prefill-only, these and the largest batch within the TTFT SLO (a big
+# chunk packs every waiting prompt into one slow step, so under load each waits for all the
+# others); for aggregated, these and the largest chunk within CHUNK_TPOT_FACTOR TPOT SLOs (a
+# smaller chunk stalls decodes less but prefills a prompt in more rounds).
+PREFILL_CHUNKS = (512, 1024, 2048, 4096)
+AGGREGATED_CHUNKS = (256, 512, 1024, 2048)  # below the CHUNK_TPOT_FACTOR bound
 
 
 @dataclass(frozen=True)
@@ -48,6 +63,8 @@ class InstanceModel:
         spec_ctx: float,
         prompt: float,
         slo_ms: tuple[float, float] | None = None,
+        output: float = 1.0,
+        target: float = 0.9,
     ) -> None:
         self.perf, self.model = perf, template.model
         self.throughput = template.throughput
@@ -61,7 +78,7 @@ class InstanceModel:
                 node = cfg.id if len(m.gpus) == cfg.gpu_count else f"{cfg.gpu_id}x{len(m.gpus)}"
                 members.append(Member(node, m.tp))
             self.stages.append(Stage(tuple(members), st.layers, hop=i < s_count - 1))
-        self.ctx, self.prompt = spec_ctx, prompt
+        self.ctx, self.prompt, self.output = spec_ctx, prompt, output
         # A data-parallel stage's share per member: proportional to the member's speed at a
         # typical batch (decode: 32 sequences; prefill: one mean prompt).
         self._shares = {
@@ -109,18 +126,48 @@ class InstanceModel:
                 ),
             )
             # --max-num-batched-tokens, the chunk of every step. A prefill-only instance takes
-            # the SLO-feasible prefill batch. An aggregated one shares each step with decodes:
-            # its chunk is the largest whose step (all stages) stays within CHUNK_TPOT_FACTOR x
-            # the TPOT SLO, so prefill stalls decodes by a bounded amount.
+            # the chunk that serves most at the TTFT SLO (PREFILL_CHUNKS). An aggregated one
+            # shares each step with decodes: its chunk is the largest whose step (all stages)
+            # stays within CHUNK_TPOT_FACTOR x the TPOT SLO, so prefill stalls decodes by a
+            # bounded amount.
             chunk = self.max_prefill_tokens
             if template.phase == "aggregated":
                 chunk = min(
                     chunk,
-                    _largest(
-                        lambda x: self.prefill_ms(x)[0] <= CHUNK_TPOT_FACTOR * dec_slo, chunk
-                    ),
+                    _largest(lambda x: self.prefill_ms(x)[0] <= CHUNK_TPOT_FACTOR * dec_slo, chunk),
                 )
-            self.max_batched_tokens = max(chunk, self.max_running, MIN_CHUNK_TOKENS)
+            chunk = max(chunk, self.max_running, MIN_CHUNK_TOKENS)
+            if template.phase != "decode":
+                chunk = self._best_chunk(template.phase, chunk, slo_ms, target)
+            self.max_batched_tokens = chunk
+
+    def _best_chunk(self, phase: str, top: int, slo_ms: tuple[float, float], target: float) -> int:
+        """The chunk, of the phase's candidates up to `top`, that serves the most at the SLO
+        (`engine_model`, at the mean prompt and output; the smallest on a tie)."""
+        prompt = np.array([max(1.0, self.prompt)])
+        sizes = PREFILL_CHUNKS if phase == "prefill" else AGGREGATED_CHUNKS
+        # vLLM needs --max-num-batched-tokens >= --max-num-seqs (every decode takes a token).
+        candidates = sorted({c for c in sizes if self.max_running <= c < top} | {top})
+        if phase == "prefill":
+            engine = PrefillEngine.of(self, candidates)
+            served = prefill_capacity(engine, prompt, 1.0, slo_ms[0], target, SEARCH_STEPS)
+            return candidates[int(np.argmax(served))]  # the first (smallest) on a tie
+        output = np.array([max(1.0, self.output)])
+        return max(
+            candidates,
+            key=lambda c: aggregated_capacity(
+                self,
+                prompt,
+                output,
+                1.0,
+                slo_ms,
+                target,
+                c,
+                self.max_running,
+                self.throughput,
+                SEARCH_STEPS,
+            ),
+        )
 
     def _member_shares(self, i: int, phase: Phase) -> tuple[float, ...]:
         stage = self.stages[i]
@@ -149,7 +196,15 @@ class InstanceModel:
         """The instance as it serves its model: the workload's mean context and prompt, and
         batches capped at the SLO-feasible sizes (what the Pulumi program passes to vLLM)."""
         slo = (spec.slo_ms.prefill, spec.slo_ms.decode)
-        return cls(perf, template, spec.decode_context_tokens, spec.mean_prompt_tokens, slo)
+        return cls(
+            perf,
+            template,
+            spec.decode_context_tokens,
+            spec.mean_prompt_tokens,
+            slo,
+            spec.mean_output_tokens,
+            spec.slo_attainment,
+        )
 
     def batch_stage_ms(
         self, tokens: int, decode_seqs: int, decode_context: float, prefill_pairs: float

@@ -55,7 +55,7 @@ def workload(sigma: float, scv: float, mean: float = 1_000.0) -> Workload:
 
 @dataclass(frozen=True)
 class LinearInstance:
-    """An aggregated instance stand-in: every stage takes 1 ms + per_token_ms per token of its
+    """An instance stand-in: every stage takes 1 ms + per_token_ms per token of its
     micro-batch, plus 0.001 ms per decode sequence per 100 context tokens."""
 
     stages: tuple[int, ...]
@@ -69,10 +69,20 @@ class LinearInstance:
         ms = 1.0 + self.per_token_ms * tokens + 1e-5 * decode_seqs * decode_context
         return [ms] * len(self.stages)
 
+    def prefill_ms(self, tokens: int) -> tuple[float, float]:
+        ms = 1.0 + self.per_token_ms * tokens
+        return len(self.stages) * ms, ms
+
 
 def instance(t: ServingTemplate) -> LinearInstance:
-    # Per-token time from T̂: a faster template's steps are shorter.
-    return LinearInstance(tuple(range(len(t.stages))), 1e3 / (t.throughput * 2_000))
+    # Per-token time from T̂: a faster template's steps are shorter. A prefill instance
+    # prefills at T̂ (its stage budget's batch is its chunk); an aggregated one at twice T̂.
+    stages = tuple(range(len(t.stages)))
+    if t.phase == "prefill":
+        per_token = 1e3 / t.throughput
+        chunk = max(64, int((t.stage_budget_ms[0] - 1.0) / per_token))
+        return LinearInstance(stages, per_token, max_batched_tokens=chunk)
+    return LinearInstance(stages, 1e3 / (t.throughput * 2_000))
 
 
 def factors(phase, specs, slo, wl, target):

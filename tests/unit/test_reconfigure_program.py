@@ -17,7 +17,7 @@ from datetime import UTC, datetime, timedelta
 import yaml
 
 from coral_iac.infra import slug
-from solver.operations.reconfiguration import FleetState, served_demand
+from solver.operations.reconfiguration import SERVING, FleetState, served_demand
 from tests.conftest import REPO
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -60,7 +60,7 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path, preview):
     # settle, down, settle, shift to the other model, settle, settled
     steps = [(1.0, 1.0), (6.0, 1.0), (6.0, 1.0), (0.5, 1.0), (0.5, 1.0)]
     steps += [(0.5, 10.0), (0.5, 10.0), (0.5, 10.0)]
-    outputs, before, previous, previous_nodes = None, {}, None, {}
+    outputs, previous, previous_nodes = None, None, {}
     seen = set()
     for n, (phi, gpt) in enumerate(steps):
         result = preview(
@@ -71,6 +71,16 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path, preview):
         )
         state = FleetState.model_validate_json(result.outputs["fleet_state"])
         serving = state.capacity()
+        # The capacity before the run, on this run's yardstick: a member that is still declared
+        # counts what this plan's capacity model says of it now (the closed loop re-estimates
+        # every instance's capacity at each run; a re-estimate is not a member lost).
+        before = {}
+        if previous is not None:
+            for key, m in previous.members.items():
+                if m.state in SERVING:
+                    now = state.members.get(key)
+                    job = (m.instance.model, m.instance.phase)
+                    before[job] = before.get(job, 0.0) + (now or m).instance.throughput
         for job, demand in served_demand(result.plan).items():
             assert serving.get(job, 0.0) >= min(demand, before.get(job, 0.0)) - 1e-9, (n, job)
         # Every GPU node belongs to a declared member; a member disappears only after draining.
@@ -104,7 +114,7 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path, preview):
                     if name.rsplit(".n", 1)[0] == slug(key):  # its nodes: <id>.n<index>
                         assert previous_nodes[name] == data, (n, name)
         seen |= {m.state for m in state.members.values()}
-        outputs, before, previous, previous_nodes = result.outputs, serving, state, nodes
+        outputs, previous, previous_nodes = result.outputs, state, nodes
     # The sequence exercised every state, and the last run settled.
     assert seen == {"starting", "ready", "retiring", "draining"}
     assert set(previous.by_state()["ready"]) == set(previous.members)

@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.errors import InputError
-from solver.simulation.simulator import _decode_pass, _engine_pass, simulate, smooth_wrr
+from solver.simulation.simulator import _decode_pass, engine_pass, simulate, smooth_wrr
 from solver.simulation.traces import WorkloadShape, generate_trace, load_trace_csv
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
@@ -71,7 +71,7 @@ def test_engine_chunks_prefill_and_shares_steps_with_decode_by_hand():
     prompt 50, 2 out) waits. At 11 ms one step holds A's last 50 and B's 50: 11-22 ms, both
     first tokens at 22 ms. Then both decode in one step of 2 tokens (1.2 ms): B is done at
     23.2 ms; A decodes alone (1.1 ms): done at 24.3 ms."""
-    first, finish, peak = _engine_pass(
+    first, finish, peak = engine_pass(
         FixedEngine(), np.array([0.0, 0.001]), np.array([150, 50]), np.array([3, 2]), 100, 8
     )
     assert first == pytest.approx([0.022, 0.022])
@@ -83,7 +83,7 @@ def test_engine_keeps_one_micro_batch_per_stage_in_flight_by_hand():
     """Two stages of 11 ms for 100 tokens. A and B (t=0, 100-token prompts, 1 out each, chunk
     100): A enters stage 1 at 0, stage 2 at 11 ms (done 22 ms); B enters stage 1 when it frees
     at 11 ms, stage 2 at 22 ms: done 33 ms. A request is never in two micro-batches."""
-    _, finish, _ = _engine_pass(
+    _, finish, _ = engine_pass(
         FixedEngine(stages=(1, 1)), np.array([0.0, 0.0]), np.array([100, 100]), np.array([1, 1]),
         100, 8,
     )  # fmt: skip
@@ -96,7 +96,7 @@ def test_a_prefill_chunk_stalls_the_decodes_beside_it_for_its_whole_pipeline():
     at the chunk's size, so A's TPOT rises with B's prompt, and by more on two stages than one."""
 
     def tpot(stages: tuple[int, ...], b_prompt: int) -> float:
-        first, finish, _ = _engine_pass(
+        first, finish, _ = engine_pass(
             FixedEngine(stages=stages),
             np.array([0.0, 0.0005]),
             np.array([10, b_prompt]),
@@ -114,7 +114,7 @@ def test_engine_preempts_when_the_kv_cache_fills_and_still_finishes_everything()
     """Paged KV: 8 blocks of 16 tokens. Two requests of 40 + 40 tokens need 5 blocks each at
     the end; both are admitted (3 blocks each at first), then one is preempted and recomputed,
     and both finish, with the peak within the capacity."""
-    first, finish, peak = _engine_pass(
+    first, finish, peak = engine_pass(
         FixedEngine(kv_capacity=128), np.array([0.0, 0.0]), np.array([40, 40]), np.array([40, 40]),
         512, 8,
     )  # fmt: skip
@@ -146,7 +146,7 @@ def test_two_prompts_that_do_not_fit_together_both_finish():
     each other forever on a two-stage pipeline (each in flight while the other needed blocks).
     The earliest admitted is never preempted by a later one, so both finish, one after the
     other."""
-    first, finish, peak = _engine_pass(
+    first, finish, peak = engine_pass(
         FixedEngine(stages=(1, 1), kv_capacity=4096), np.array([0.0, 0.0]),
         np.array([3000, 2500]), np.array([1, 1]), 512, 8,
     )  # fmt: skip
@@ -165,7 +165,7 @@ def test_engine_invariants(reqs, capacity, max_running, chunk):
     arrival = np.array([r[0] for r in reqs])
     prompt = np.array([r[1] for r in reqs])
     output = np.array([r[2] for r in reqs])
-    first, finish, peak = _engine_pass(inst, arrival, prompt, output, chunk, max_running)
+    first, finish, peak = engine_pass(inst, arrival, prompt, output, chunk, max_running)
     fits = -(-(prompt + output) // 16) * 16 <= capacity
     assert np.all(np.isfinite(finish[fits])) and np.all(np.isinf(finish[~fits]))
     assert np.all(first[fits] > arrival[fits]) and np.all(finish[fits] >= first[fits])

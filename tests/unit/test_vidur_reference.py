@@ -12,8 +12,9 @@ import pytest
 
 from solver.evaluation.reference import FIXED, Case, instance_template, requests, simulate_ours
 from solver.performance.kernel_fit import calibrate_kernels, load_profiled_layer
+from solver.simulation.simulator import engine_pass
 from solver.stack import Slo
-from solver.templates.instance_model import InstanceModel
+from solver.templates.instance_model import CHUNK_TPOT_FACTOR, MIN_CHUNK_TOKENS, InstanceModel
 from tests.allocation_helpers import perf
 
 MODEL, NODE = "llama2-70b", "a100-80gbx2"
@@ -105,3 +106,48 @@ def test_pipeline_depth_adds_its_stages_to_every_token_under_interference():
     by the second node (it was, when decode resumed after the first stage)."""
     pp1, pp2 = _tpot_ttft((NODE,), 0.4, 1024), _tpot_ttft((NODE, NODE), 0.4, 1024)
     assert pp2[0] > 0.8 * pp1[0]
+
+
+def _attainment_at(inst: InstanceModel, case: Case, rate: float, chunk: int) -> float:
+    """Our engine's attainment (the capacity model's own criterion for the phase) on 400
+    requests at `rate`, with the instance's chunk replaced by `chunk`."""
+    req = requests(case, rate, 400, seed=11)
+    first, finish, _ = engine_pass(
+        inst, req.arrival_s, req.prompt, req.output, chunk, inst.max_running
+    )
+    ttft = first - req.arrival_s
+    with np.errstate(invalid="ignore"):
+        tpot = np.where(req.output > 1, (finish - first) / np.maximum(req.output - 1, 1), 0.0)
+    slo, _ = case.judged
+    ok = np.isfinite(finish) & (ttft * 1e3 <= slo.prefill) & (tpot * 1e3 <= slo.decode)
+    return float(ok.mean())
+
+
+@pytest.mark.parametrize("nodes", [(NODE,), (NODE, NODE)])
+def test_a_prefill_only_chunk_is_the_one_that_serves_most(nodes):
+    """Regression: a prefill-only instance ran with the largest batch within the TTFT SLO as its
+    chunk (4,160 tokens on PP 2), so under load every prompt waited for a whole pipeline of
+    4,160 tokens; the engine serves more with the chunk the search picks (the simulator
+    measured 3.0 against 4.7 req/s on PP 2)."""
+    case, inst = _instance(nodes, "prefill")
+    assert inst.max_batched_tokens < inst.max_prefill_tokens
+    rate = 3.0 if len(nodes) == 2 else 1.6
+    chosen = _attainment_at(inst, case, rate, inst.max_batched_tokens)
+    largest = _attainment_at(inst, case, rate, inst.max_prefill_tokens)
+    assert chosen >= case.judged[1] > largest
+
+
+def test_an_aggregated_chunk_is_chosen_for_the_slo():
+    """Regression: an aggregated chunk was the largest whose step stays within twice the TPOT
+    SLO (384 tokens here), though a smaller one serves more (fewer decodes stall behind each
+    chunk): the search takes the smaller one, and our engine agrees at the rule's limit."""
+    case, inst = _instance((NODE, NODE), "aggregated")
+    rule = max(
+        x
+        for x in range(MIN_CHUNK_TOKENS, inst.max_prefill_tokens + 1, 64)
+        if inst.prefill_ms(x)[0] <= CHUNK_TPOT_FACTOR * SLO.decode
+    )
+    assert MIN_CHUNK_TOKENS <= inst.max_batched_tokens < rule
+    assert _attainment_at(inst, case, 1.0, inst.max_batched_tokens) > _attainment_at(
+        inst, case, 1.0, rule
+    )

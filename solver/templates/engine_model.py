@@ -1,0 +1,255 @@
+"""Closed-form models of vLLM's engine on one instance under Poisson-like load: the share of
+requests that meet their SLOs at a rate, and the highest rate that meets a target share.
+
+They serve two callers, so the two can never disagree: `InstanceModel` picks the chunk
+(--max-num-batched-tokens) that serves the most at the SLO, and the capacity model
+(`solver.plan.slo_capacity`) charges each template for queueing and interference at that chunk.
+Both read an instance only through its stage times (`prefill_ms`, `batch_stage_ms`).
+
+**Prefill-only** (`prefill_attainment`): under load every step is a full chunk C, so the
+instance serves mu = C / period(C) prompt tokens/s and rho = rate / mu. A prompt of L tokens
+waits for the queue ahead (Kingman's G/G/1 mean in token time, with an exponential tail reached
+with probability rho), then takes ceil(L / C) passes through every stage; a pass carries its own
+piece and, with probability rho, the rest of the chunk filled by other prompts (stage time
+linear in tokens between 64 and C). So a big chunk is fast alone and slow under load: each
+prompt waits for every prompt packed beside it.
+
+**Aggregated** (`aggregated_meets`; vLLM's chunked prefill, prefill and decode in one step): a
+request gets a token once per pass of its micro-batch through all S stages. At rate lambda,
+b = lambda O TPOT sequences decode (Little), b / S per micro-batch. A prompt of L tokens
+prefills in ceil(L / room) rounds, room = C - b / S, and while it does its micro-batch is heavy
+(its stage time with the prompt's piece), which holds every micro-batch behind it. A decoding
+request's passes are heavy for a share f = lambda E[rounds] TPOT of them, so
+TPOT = S light / (1 - lambda E[rounds] S (heavy - light)), with light and heavy at b / S decodes
+(a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
+TPOT per output length (while a request of O tokens decodes, Poisson(lambda (O - 1) TPOT)
+prompts arrive, each making a run of its rounds heavy: short outputs are the ones one long
+prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait behind the
+prompts in progress, Kingman's mean at the busy share lambda E[rounds] S heavy with an
+exponential tail, and its own rounds, each as heavy as its own piece).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+import numpy as np
+
+BISECTION_STEPS = 24  # rate bisection, to 1e-7 of the upper bound
+FIXED_POINT_STEPS = 60  # aggregated: iterations of the step-time fixed point (damped)
+FIXED_POINT_TOLERANCE = 1e-6  # relative change of TPOT that ends it
+SEARCH_STEPS = 12  # the chunk search's rate bisection: to 1/4096 of the upper bound
+
+
+class PrefillTimes(Protocol):
+    def prefill_ms(self, tokens: int) -> tuple[float, float]: ...
+
+
+class StepTimes(Protocol):
+    @property
+    def stages(self) -> Sequence[object]: ...
+
+    def batch_stage_ms(
+        self, tokens: int, decode_seqs: int, decode_context: float, prefill_pairs: float
+    ) -> list[float]: ...
+
+
+@dataclass(frozen=True)
+class PrefillEngine:
+    """What the prefill-only model needs of instances (arrays broadcast together: one entry
+    per instance, or per candidate chunk): the chunk C, a pass's latency through every stage
+    at C tokens and at 64, and the saturated rate mu = C / period(C) in prompt tokens/s."""
+
+    chunk: np.ndarray
+    latency_ms: np.ndarray
+    latency_64_ms: np.ndarray
+    mu: np.ndarray
+
+    @staticmethod
+    def of(inst: PrefillTimes, chunks: Sequence[int]) -> PrefillEngine:
+        passes = [inst.prefill_ms(c) for c in chunks]
+        return PrefillEngine(
+            np.array(chunks, dtype=np.float64),
+            np.array([lat for lat, _ in passes]),
+            np.full(len(chunks), inst.prefill_ms(64)[0]),
+            np.array([c / period * 1e3 for c, (_, period) in zip(chunks, passes, strict=True)]),
+        )
+
+    @staticmethod
+    def stack(engines: Sequence[PrefillEngine]) -> PrefillEngine:
+        return PrefillEngine(
+            *(np.concatenate([getattr(e, f) for e in engines]) for f in PrefillEngine.FIELDS)
+        )
+
+    FIELDS: ClassVar[tuple[str, ...]] = ("chunk", "latency_ms", "latency_64_ms", "mu")
+
+
+def prefill_attainment(
+    engine: PrefillEngine,
+    rho: np.ndarray,
+    lengths: np.ndarray,
+    arrival_scv: float,
+    budget_ms: float,
+) -> np.ndarray:
+    """Share of prompts (equally likely `lengths`) that finish prefill within `budget_ms` at
+    utilization `rho` (of mu) on each instance of `engine` (module doc); vectorised over
+    instances."""
+    r = np.minimum(rho, 1 - 1e-9)[:, None]
+    chunk, lat_c = engine.chunk[:, None], engine.latency_ms[:, None]
+    lat_64, mu = engine.latency_64_ms[:, None], engine.mu[:, None]
+    mean = float(lengths.mean())
+    cs2 = float(lengths.var()) / mean**2
+    wait_ms = r / (1 - r) * (arrival_scv + cs2) / 2 * mean / mu * 1e3
+    rounds = np.ceil(lengths[None, :] / chunk)
+    piece = lengths[None, :] / rounds
+    alone = lat_64 + (lat_c - lat_64) * np.clip((piece - 64) / np.maximum(chunk - 64, 1), 0, 1)
+    slack = budget_ms - rounds * (alone + r * (lat_c - alone))
+    late = r * np.exp(-r * np.maximum(slack, 0.0) / np.maximum(wait_ms, 1e-9))
+    met = np.where(slack >= 0, 1.0 - late, 0.0).mean(axis=1)
+    return np.asarray(np.where(rho >= 1.0, 0.0, met), dtype=np.float64)
+
+
+def prefill_capacity(
+    engine: PrefillEngine,
+    lengths: np.ndarray,
+    arrival_scv: float,
+    budget_ms: float,
+    share: float,
+    steps: int = BISECTION_STEPS,
+) -> np.ndarray:
+    """Per instance of `engine`, the highest rate (prompt tokens/s) at which `share` of the
+    prompts meet `budget_ms` (`prefill_attainment`, bisection on rho in `steps`); 0 where
+    even a trickle misses."""
+
+    def ok(rho: np.ndarray) -> np.ndarray:
+        return prefill_attainment(engine, rho, lengths, arrival_scv, budget_ms) >= share
+
+    n = len(engine.chunk)
+    lo, hi = np.zeros(n), np.ones(n)
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        good = ok(mid)
+        lo, hi = np.where(good, mid, lo), np.where(good, hi, mid)
+    return np.asarray(np.where(ok(np.full(n, 1e-4)), lo, 0.0) * engine.mu, dtype=np.float64)
+
+
+def aggregated_meets(
+    inst: StepTimes,
+    rate: float,
+    lengths: np.ndarray,
+    outputs: np.ndarray,
+    arrival_scv: float,
+    slo_ms: tuple[float, float],
+    target: float,
+    chunk: int,
+    max_seqs: int,
+) -> bool:
+    """Whether `target` of the requests (prompt `lengths` and `outputs`, equally likely) meet
+    both SLOs (TTFT, TPOT in ms) at `rate` requests/s on an aggregated instance (module doc)."""
+    ttft_s, tpot_slo_s = slo_ms[0] / 1e3, slo_ms[1] / 1e3
+    mean_prompt, mean_output = float(lengths.mean()), float(outputs.mean())
+    cs2 = float(lengths.var()) / mean_prompt**2
+    context = mean_prompt + mean_output / 2
+    s = len(inst.stages)
+
+    def stage_s(tokens: float, decodes: float, prefill: float) -> float:
+        pairs = prefill * (mean_prompt + prefill) / 2
+        times = inst.batch_stage_ms(max(1, math.ceil(tokens)), math.ceil(decodes), context, pairs)
+        return max(times) / 1e3
+
+    tpot = s * stage_s(1, 1, 0)
+    for _ in range(FIXED_POINT_STEPS):
+        decoding = rate * mean_output * tpot  # Little: each decodes for output x TPOT
+        per_batch = decoding / s
+        room = chunk - per_batch
+        if decoding > max_seqs or room < 1:
+            return False  # more sequences than --max-num-seqs or the KV cache admit
+        rounds = np.ceil(lengths / room)
+        mean_rounds = float(rounds.mean())
+        piece = mean_prompt / mean_rounds  # prompt tokens per prefill round
+        light = stage_s(per_batch, per_batch, 0)
+        heavy = stage_s(per_batch + piece, per_batch, piece)
+        busy = rate * mean_rounds * s * heavy  # share of time a prompt prefills
+        if busy >= 1:
+            return False  # prompts arrive faster than the chunk beside decodes takes them
+        # A token's pass is heavy for the share rate x rounds x TPOT of passes: solved.
+        stall = rate * mean_rounds * s * (heavy - light)
+        if stall >= 1:
+            return False
+        nxt = s * light / (1 - stall)
+        if abs(nxt - tpot) < FIXED_POINT_TOLERANCE * tpot:
+            break
+        tpot = (tpot + nxt) / 2
+    # While a request of O tokens decodes, Poisson(rate (O - 1) TPOT) prompts arrive and each
+    # makes E[rounds] of its passes heavy (in a run): its TPOT is met while at most
+    # (SLO - S light) (O - 1) / (S (heavy - light)) passes are heavy.
+    steps = np.maximum(outputs - 1, 1)
+    allowed = (tpot_slo_s - s * light) * steps / (s * max(heavy - light, 1e-12))
+    met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, rounds)
+    tpot_met = float(np.where(outputs > 1, met_tpot, 1.0).mean())
+    wait = busy / (1 - busy) * (arrival_scv + cs2) / 2 * mean_rounds * s * heavy
+    own = np.array(
+        [stage_s(per_batch + x / r, per_batch, x / r) for x, r in zip(lengths, rounds, strict=True)]
+    )
+    slack = ttft_s - s * light / 2 - rounds * s * own
+    late = busy * np.exp(-busy * np.maximum(slack, 0.0) / max(wait, 1e-12))
+    ttft_met = float(np.where(slack >= 0, 1.0 - late, 0.0).mean())
+    return ttft_met * tpot_met >= target
+
+
+def aggregated_capacity(
+    inst: StepTimes,
+    lengths: np.ndarray,
+    outputs: np.ndarray,
+    arrival_scv: float,
+    slo_ms: tuple[float, float],
+    target: float,
+    chunk: int,
+    max_seqs: int,
+    top: float,
+    steps: int = BISECTION_STEPS,
+) -> float:
+    """The highest rate (requests/s, at most `top`) that `aggregated_meets` (bisection in
+    `steps`); 0 when even a thousandth of `top` misses."""
+
+    def ok(rate: float) -> bool:
+        return aggregated_meets(
+            inst, rate, lengths, outputs, arrival_scv, slo_ms, target, chunk, max_seqs
+        )
+
+    return _highest(ok, top, floor=1e-3, steps=steps)
+
+
+def _highest(
+    ok: Callable[[float], bool], top: float, floor: float = 1e-4, steps: int = BISECTION_STEPS
+) -> float:
+    """Largest rate in [0, top] with ok(rate), ok falling with the rate (bisection)."""
+    if ok(top):
+        return top
+    if not ok(top * floor):
+        return 0.0
+    lo, hi = 0.0, top
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
+def compound_poisson_cdf(limit: np.ndarray, mean: np.ndarray, sizes: np.ndarray) -> np.ndarray:
+    """P(sum of N sizes <= limit), N ~ Poisson(mean), sizes drawn from the sample `sizes`: per
+    N exactly for N = 0 and by a normal approximation of the sum for N >= 1 (vectorised over
+    the limit/mean pairs)."""
+    from scipy.special import ndtr
+    from scipy.stats import poisson
+
+    m, v = float(sizes.mean()), float(sizes.var())
+    top = int(np.ceil(mean.max() + 8 * np.sqrt(mean.max()) + 8))
+    n = np.arange(top + 1)[None, :]
+    weight = poisson.pmf(n, mean[:, None])
+    spread = np.sqrt(np.maximum(n * v, 1e-12))
+    within = np.where(n == 0, 1.0, ndtr((limit[:, None] + 0.5 - n * m) / spread))
+    out = (weight * within).sum(axis=1)
+    return np.asarray(np.where(limit < 0, 0.0, np.clip(out, 0.0, 1.0)), dtype=np.float64)
