@@ -24,9 +24,10 @@ TPOT = S light / (1 - lambda E[rounds] S (heavy - light)), with light and heavy 
 (a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
 TPOT per output length (while a request of O tokens decodes, Poisson(lambda (O - 1) TPOT)
 prompts arrive, each making a run of its rounds heavy: short outputs are the ones one long
-prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait behind the
-prompts in progress, Kingman's mean at the busy share lambda E[rounds] S heavy with an
-exponential tail, and its own rounds, each as heavy as its own piece).
+prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait for a
+micro-batch with room, each of the S holding one prompt for its rounds: M/G/S by Sakasegawa's
+approximation, Kingman's for S = 1, with an exponential tail; and its own rounds, each as heavy
+as its own piece).
 """
 
 from __future__ import annotations
@@ -172,7 +173,10 @@ def aggregated_meets(
         piece = mean_prompt / mean_rounds  # prompt tokens per prefill round
         light = stage_s(per_batch, per_batch, 0)
         heavy = stage_s(per_batch + piece, per_batch, piece)
-        busy = rate * mean_rounds * s * heavy  # share of time a prompt prefills
+        # A prompt holds one micro-batch's room for its rounds, a pass through every stage
+        # each; S micro-batches are in flight, so S prompts prefill at once.
+        holding = mean_rounds * s * heavy
+        busy = rate * holding / s  # share of each micro-batch's passes that carry a prompt
         if busy >= 1:
             return False  # prompts arrive faster than the chunk beside decodes takes them
         # A token's pass is heavy for the share rate x rounds x TPOT of passes: solved.
@@ -190,12 +194,15 @@ def aggregated_meets(
     allowed = (tpot_slo_s - s * light) * steps / (s * max(heavy - light, 1e-12))
     met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, rounds)
     tpot_met = float(np.where(outputs > 1, met_tpot, 1.0).mean())
-    wait = busy / (1 - busy) * (arrival_scv + cs2) / 2 * mean_rounds * s * heavy
+    # Waiting for a micro-batch with room: M/G/S (Sakasegawa's approximation, Kingman's for
+    # S = 1), waiting at all with probability p_wait, then exponentially.
+    p_wait = busy ** (math.sqrt(2 * (s + 1)) - 1)
+    wait = p_wait / (s * (1 - busy)) * (arrival_scv + cs2) / 2 * holding
     own = np.array(
         [stage_s(per_batch + x / r, per_batch, x / r) for x, r in zip(lengths, rounds, strict=True)]
     )
     slack = ttft_s - s * light / 2 - rounds * s * own
-    late = busy * np.exp(-busy * np.maximum(slack, 0.0) / max(wait, 1e-12))
+    late = p_wait * np.exp(-p_wait * np.maximum(slack, 0.0) / max(wait, 1e-12))
     ttft_met = float(np.where(slack >= 0, 1.0 - late, 0.0).mean())
     return ttft_met * tpot_met >= target
 
