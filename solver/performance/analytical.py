@@ -110,6 +110,9 @@ class Overheads(BaseModel):
     prefill_layer_ms: float = Field(ge=0, description="Fixed cost per layer per prefill step.")
     decode_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (decode).")
     prefill_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (prefill).")
+    collective_launch_ms: float = Field(
+        default=0.0, ge=0, description="CPU cost of launching each TP all-reduce."
+    )
 
     def layer_ms(self, phase: Phase) -> float:
         return self.decode_layer_ms if phase == "decode" else self.prefill_layer_ms
@@ -136,6 +139,12 @@ class Runtime(BaseModel):
     prefill_step_ms: float = Field(ge=0, description="Fixed cost per stage pass (prefill).")
     decode_layer_ms: float | None = Field(default=None, ge=0, description="Per layer, any GPU.")
     prefill_layer_ms: float | None = Field(default=None, ge=0, description="Per layer, any GPU.")
+    collective_launch_ms: float = Field(
+        default=0.0,
+        ge=0,
+        description="CPU cost of launching each tensor-parallel all-reduce (two per layer), "
+        "beyond the collective's GPU time.",
+    )
     per_gpu: dict[str, LayerOverhead] = Field(
         default_factory=dict, description="Per-layer costs fitted per GPU type (win over above)."
     )
@@ -165,6 +174,7 @@ class Runtime(BaseModel):
             prefill_layer_ms=layer.prefill_layer_ms,
             decode_step_ms=self.decode_step_ms,
             prefill_step_ms=self.prefill_step_ms,
+            collective_launch_ms=self.collective_launch_ms,
         )
 
 
@@ -369,7 +379,10 @@ def layer_breakdown(
         ELEMENTWISE_KERNELS * k.elementwise_latency_ms
         + elem_bytes / (mem_bw * k.elementwise_mem) * 1e3
     )
-    comm = 2 * costs.allreduce_ms(node.id, tp, size * card.hidden_size * 2)
+    comm = 0.0
+    if tp > 1:
+        one = costs.allreduce_ms(node.id, tp, size * card.hidden_size * 2)
+        comm = 2 * (one + costs.overheads.collective_launch_ms)
     return LayerBreakdown(
         gemm_ms=GEMMS_PER_LAYER * eff.gemm_latency_ms + t_gemm * 1e3,
         attention_ms=attn_ms,

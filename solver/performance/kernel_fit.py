@@ -213,10 +213,16 @@ MLP_OPS = (
 )
 
 
+# Vidur's predictor adds this CPU launch cost to every profiled all-reduce
+# (`nccl_cpu_launch_overhead_ms`, vidur 0.0.26 default).
+VIDUR_NCCL_LAUNCH_MS = 0.02
+
+
 @dataclass(frozen=True)
 class ProfiledLayer:
     """One Llama-2-70B layer at TP 2 on A100-80GB as Vidur's profiles time it (the sum of its
-    operators, all-reduces included): the reference the layer model is checked against.
+    operators, all-reduces included, each with Vidur's launch cost): the reference the layer
+    model is checked against.
 
     Rows are looked up, not interpolated: the profiles hold every size the comparison asks
     for (prefill chunks and decode batches as measured, contexts at the nearest measured)."""
@@ -236,7 +242,8 @@ class ProfiledLayer:
 
     def _allreduce(self, tokens: int) -> float:
         size = tokens * ATTENTION_SHAPE["n_embd"] * 2
-        return self.allreduce[min(self.allreduce, key=lambda s: abs(s - size))]
+        measured = self.allreduce[min(self.allreduce, key=lambda s: abs(s - size))]
+        return measured + VIDUR_NCCL_LAUNCH_MS
 
 
 def load_profiled_layer(directory: Path | None = None) -> ProfiledLayer:
