@@ -63,11 +63,17 @@ def simulated_capacity(t: ServingTemplate) -> float:
 
 
 @pytest.mark.parametrize("nodes", MIXED)
-def test_a_mixed_pipeline_gets_less_than_the_uncoupled_never_more(nodes):
+def test_a_mixed_pipeline_never_gets_more_than_the_uncoupled(nodes):
     coupled, loose = template(nodes, True), template(nodes, False)
     assert len(coupled.stages) > 1
     assert coupled.throughput <= loose.throughput
-    assert coupled.throughput < 0.99 * loose.throughput  # the small-KV stage binds
+
+
+def test_where_the_small_kv_stage_binds_the_coupled_pipeline_gets_less():
+    """One A100-40GB beside T4x4s: its KV caps every stage's micro-batch. (Beside an L4, under
+    the current calibration, coupled and uncoupled come out within 0.1% of each other.)"""
+    coupled, loose = template(MIXED[1], True), template(MIXED[1], False)
+    assert coupled.throughput < 0.99 * loose.throughput
 
 
 def test_one_node_type_loses_only_the_period_grid():
