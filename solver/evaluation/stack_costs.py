@@ -48,7 +48,7 @@ def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str: 
         if row is None:
             return "-"
         text = f"{row['usd_per_hour']:.2f}"
-        if row["served_fraction"] < 1:
+        if row["served_fraction"] < 0.9995:
             text += f" ({row['served_fraction']:.0%} served)"
         return text
 
