@@ -49,7 +49,7 @@ def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str: 
             return "-"
         text = f"{row['usd_per_hour']:.2f}"
         if row["served_fraction"] < 0.9995:
-            text += f" ({row['served_fraction']:.0%} served)"
+            text += f" ({row['served_fraction']:.1%} served)"
         return text
 
     def attained(row: dict | None) -> str:  # type: ignore[type-arg]
