@@ -44,6 +44,7 @@ RUNNER = Path(__file__).with_name("vidur_runner.py")
 VIDUR_PYTHON = ROOT / ".vidur-venv" / "bin" / "python"
 SLO = Slo(prefill=1500, decode=80)
 MODEL, NODE = "llama2-70b", "a100-80gbx2"
+SEED = 7  # one request stream per (case, rate), the same for every tool
 RATES = [round(0.1 * 2 ** (k / 2), 3) for k in range(13)]  # 0.1 .. 6.4 req/s
 
 
@@ -87,6 +88,19 @@ def run_vidur(case: Case, req: Requests, scheduler: str, chunk: int, cap: int) -
     return Outcome(ttft, tpot, done_s)
 
 
+def _reusable(path: Path, n: int) -> dict[tuple[object, ...], dict[str, dict]]:  # type: ignore[type-arg]
+    """Vidur's summaries of an earlier results.json, by (case, chunk, batch cap, judged TTFT,
+    rate), where it ran the same number of requests from the same seed."""
+    out: dict[tuple[object, ...], dict[str, dict]] = {}  # type: ignore[type-arg]
+    for row in json.loads(path.read_text()):
+        if row.get("requests_per_run") != n or row.get("seed") != SEED:
+            continue
+        key = (row["case"], row["chunk"], row["batch_cap"], row["judged"]["ttft_ms"])
+        for rate, tools in row["rates"].items():
+            out[(*key, rate)] = {k: v for k, v in tools.items() if k.startswith("vidur-")}
+    return out
+
+
 def highest_on_grid(rates: list[float], attainment: list[float], target: float) -> float:
     """Highest rate meeting the target, interpolated between the grid's last meeting rate and
     the first missing one (geometrically); 0 when the lowest misses."""
@@ -108,9 +122,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--requests", type=int, default=600, help="Requests per run.")
     parser.add_argument("--no-vidur", action="store_true", help="Only our side.")
     parser.add_argument("--every", type=int, default=1, help="Every k-th rate of the grid only.")
+    parser.add_argument(
+        "--reuse-vidur",
+        type=Path,
+        help="A results.json whose Vidur runs to keep where the requests, chunk and batch cap "
+        "are the same (Vidur is deterministic on them): only our side runs again.",
+    )
     args = parser.parse_args(argv)
     perf = load_perf_model()
     rates = RATES[:: args.every]
+    earlier = _reusable(args.reuse_vidur, args.requests) if args.reuse_vidur else {}
     results = []
     started = time.time()
     for case in cases():
@@ -119,6 +140,7 @@ def main(argv: list[str] | None = None) -> None:
         chunk, cap = inst.max_batched_tokens, min(inst.max_running, 128)
         row: dict[str, object] = {
             "case": case.label, "template": template.key, "chunk": chunk, "batch_cap": cap,
+            "requests_per_run": args.requests, "seed": SEED,
             "kv_capacity_tokens": inst.kv_capacity,
             "plan_capacity_req_s": round(plan_capacity(perf, template, case), 3), "rates": {},
         }  # fmt: skip
@@ -126,18 +148,25 @@ def main(argv: list[str] | None = None) -> None:
         row["judged"] = {"ttft_ms": slo.prefill, "target": target}
         att: dict[str, list[float]] = {"coral": [], "vidur-sarathi": [], "vidur-vllm": []}
         for rate in rates:
-            req = requests(case, rate, args.requests, seed=7)
+            req = requests(case, rate, args.requests, seed=SEED)
             runs = {"coral": simulate_ours(perf, template, case, req)}
+            summaries = {"coral": runs["coral"].summary(req, slo)}
+            kept = earlier.get((case.label, chunk, cap, slo.prefill, str(rate)), {})
             if not args.no_vidur:
                 for sched in ("sarathi", "vllm"):
+                    tool = f"vidur-{sched}"
+                    if tool in kept:
+                        summaries[tool] = kept[tool]
+                        continue
                     v = run_vidur(case, req, sched, chunk, cap)
                     if v is not None:
-                        runs[f"vidur-{sched}"] = v
-            row["rates"][str(rate)] = {k: o.summary(req, slo) for k, o in runs.items()}  # type: ignore[index]
-            for k, o in runs.items():
-                att[k].append(o.attainment(slo))
+                        runs[tool] = v
+                        summaries[tool] = v.summary(req, slo)
+            row["rates"][str(rate)] = summaries  # type: ignore[index]
+            for k, summary in summaries.items():
+                att[k].append(float(summary["attainment"] or 0.0))
             print(f"{case.label} {rate:>6} req/s: "
-                  + ", ".join(f"{k} {o.attainment(slo):.2f}" for k, o in runs.items()),
+                  + ", ".join(f"{k} {x['attainment']:.2f}" for k, x in summaries.items()),
                   f"({time.time() - started:.0f} s)", flush=True)  # fmt: skip
         row["highest_rate_req_s"] = {
             k: highest_on_grid(rates[: len(v)], v, target) for k, v in att.items() if v

@@ -156,8 +156,11 @@ def aggregated_meets(
     context = mean_prompt + mean_output / 2
     s = len(inst.stages)
 
-    def stage_s(tokens: float, decodes: float, prefill: float) -> float:
-        pairs = prefill * (mean_prompt + prefill) / 2
+    def stage_s(
+        tokens: float, decodes: float, prefill: float, prompt: float = mean_prompt
+    ) -> float:
+        # A prompt's pieces attend to what it has cached: on average half of it before them.
+        pairs = prefill * (prompt + prefill) / 2
         times = inst.batch_stage_ms(max(1, math.ceil(tokens)), math.ceil(decodes), context, pairs)
         return max(times) / 1e3
 
@@ -192,14 +195,21 @@ def aggregated_meets(
     # (SLO - S light) (O - 1) / (S (heavy - light)) passes are heavy.
     steps = np.maximum(outputs - 1, 1)
     allowed = (tpot_slo_s - s * light) * steps / (s * max(heavy - light, 1e-12))
-    met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, rounds)
+    # Each heavy pass lengthens the window, letting more prompts in (a branching process with
+    # mean offspring `stall` per pass): the mean is in TPOT already, the count's variance grows
+    # by 1 / (1 - stall)^2 beyond Poisson's.
+    dispersion = 1.0 / (1.0 - stall) ** 2
+    met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, rounds, dispersion)
     tpot_met = float(np.where(outputs > 1, met_tpot, 1.0).mean())
     # Waiting for a micro-batch with room: M/G/S (Sakasegawa's approximation, Kingman's for
     # S = 1), waiting at all with probability p_wait, then exponentially.
     p_wait = busy ** (math.sqrt(2 * (s + 1)) - 1)
     wait = p_wait / (s * (1 - busy)) * (arrival_scv + cs2) / 2 * holding
     own = np.array(
-        [stage_s(per_batch + x / r, per_batch, x / r) for x, r in zip(lengths, rounds, strict=True)]
+        [
+            stage_s(per_batch + x / r, per_batch, x / r, x)
+            for x, r in zip(lengths, rounds, strict=True)
+        ]
     )
     slack = ttft_s - s * light / 2 - rounds * s * own
     late = p_wait * np.exp(-p_wait * np.maximum(slack, 0.0) / max(wait, 1e-12))
@@ -245,17 +255,23 @@ def _highest(
     return lo
 
 
-def compound_poisson_cdf(limit: np.ndarray, mean: np.ndarray, sizes: np.ndarray) -> np.ndarray:
-    """P(sum of N sizes <= limit), N ~ Poisson(mean), sizes drawn from the sample `sizes`: per
-    N exactly for N = 0 and by a normal approximation of the sum for N >= 1 (vectorised over
-    the limit/mean pairs)."""
+def compound_poisson_cdf(
+    limit: np.ndarray, mean: np.ndarray, sizes: np.ndarray, dispersion: float = 1.0
+) -> np.ndarray:
+    """P(sum of N sizes <= limit), N with the given mean and variance `dispersion` x mean
+    (Poisson at 1, negative binomial above), sizes drawn from the sample `sizes`: per N exactly
+    for N = 0 and by a normal approximation of the sum for N >= 1 (vectorised over the
+    limit/mean pairs)."""
     from scipy.special import ndtr
-    from scipy.stats import poisson
+    from scipy.stats import nbinom, poisson
 
     m, v = float(sizes.mean()), float(sizes.var())
-    top = int(np.ceil(mean.max() + 8 * np.sqrt(mean.max()) + 8))
+    top = int(np.ceil(mean.max() + 8 * np.sqrt(dispersion * mean.max()) + 8))
     n = np.arange(top + 1)[None, :]
-    weight = poisson.pmf(n, mean[:, None])
+    if dispersion > 1.0 + 1e-9:
+        weight = nbinom.pmf(n, mean[:, None] / (dispersion - 1.0), 1.0 / dispersion)
+    else:
+        weight = poisson.pmf(n, mean[:, None])
     spread = np.sqrt(np.maximum(n * v, 1e-12))
     within = np.where(n == 0, 1.0, ndtr((limit[:, None] + 0.5 - n * m) / spread))
     out = (weight * within).sum(axis=1)
