@@ -125,11 +125,10 @@ class InstanceModel:
                     lambda x: self.prefill_ms(x)[0] <= pre_slo, perf.settings.max_batch_tokens
                 ),
             )
-            # --max-num-batched-tokens, the chunk of every step. A prefill-only instance takes
-            # the chunk that serves most at the TTFT SLO (PREFILL_CHUNKS). An aggregated one
-            # shares each step with decodes: its chunk is the largest whose step (all stages)
-            # stays within CHUNK_TPOT_FACTOR x the TPOT SLO, so prefill stalls decodes by a
-            # bounded amount.
+            # --max-num-batched-tokens, the chunk of every step: the candidate that serves most
+            # at the SLO (`_best_chunk`), at most the largest prefill batch within the TTFT SLO;
+            # an aggregated step shares its chunk with decodes, so its chunk is also at most the
+            # largest whose step (all stages) stays within CHUNK_TPOT_FACTOR x the TPOT SLO.
             chunk = self.max_prefill_tokens
             if template.phase == "aggregated":
                 chunk = min(
