@@ -143,11 +143,15 @@ def requests(case: Case, rate: float, n: int, seed: int = 0) -> Requests:
     return Requests(t.arrival_s, prompt, output)
 
 
-def simulate_ours(perf: PerfModel, template: ServingTemplate, case: Case, req: Requests) -> Outcome:
-    """Our engine on the requests, with the batch caps `coral render` passes to vLLM."""
+def simulate_ours(
+    perf: PerfModel, template: ServingTemplate, case: Case, req: Requests, chunk: int | None = None
+) -> Outcome:
+    """Our engine on the requests, with the batch caps `coral render` passes to vLLM (or
+    another `chunk`, to compare)."""
     inst = InstanceModel.serving(perf, template, case.spec())
     first, finish, _ = engine_pass(
-        inst, req.arrival_s, req.prompt, req.output, inst.max_batched_tokens, inst.max_running
+        inst, req.arrival_s, req.prompt, req.output, chunk or inst.max_batched_tokens,
+        inst.max_running,
     )
     ttft = first - req.arrival_s
     with np.errstate(invalid="ignore"):

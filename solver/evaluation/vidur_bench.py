@@ -149,8 +149,7 @@ def main(argv: list[str] | None = None) -> None:
         att: dict[str, list[float]] = {"coral": [], "vidur-sarathi": [], "vidur-vllm": []}
         for rate in rates:
             req = requests(case, rate, args.requests, seed=SEED)
-            runs = {"coral": simulate_ours(perf, template, case, req)}
-            summaries = {"coral": runs["coral"].summary(req, slo)}
+            summaries = {"coral": simulate_ours(perf, template, case, req).summary(req, slo)}
             kept = earlier.get((case.label, chunk, cap, slo.prefill, str(rate)), {})
             if not args.no_vidur:
                 for sched in ("sarathi", "vllm"):
@@ -160,7 +159,6 @@ def main(argv: list[str] | None = None) -> None:
                         continue
                     v = run_vidur(case, req, sched, chunk, cap)
                     if v is not None:
-                        runs[tool] = v
                         summaries[tool] = v.summary(req, slo)
             row["rates"][str(rate)] = summaries  # type: ignore[index]
             for k, summary in summaries.items():

@@ -40,7 +40,12 @@ import numpy as np
 
 from solver.simulation.workload import Workload
 from solver.stack import Slo
-from solver.templates.engine_model import PrefillEngine, aggregated_capacity, prefill_capacity
+from solver.templates.engine_model import (
+    PrefillEngine,
+    aggregated_capacity,
+    highest_each,
+    prefill_capacity,
+)
 from solver.templates.instance_model import InstanceModel
 from solver.templates.serving_template import ServingTemplate
 
@@ -103,7 +108,12 @@ def capacity_factors(
     share = PhaseTarget.of(phase, target).share
     thr = np.array([t.throughput for t in templates], dtype=np.float64)
     if phase == "decode":
-        return _bisect(lambda rho: _decode_attainment(rho, thr, slo, workload), share, len(thr))
+        return highest_each(
+            lambda rho: _decode_attainment(rho, thr, slo, workload) >= share,
+            len(thr),
+            MAX_UTILIZATION,
+            BISECTION_STEPS,
+        )
     if instance is None:
         raise ValueError("prefill templates need their instance model")
     lengths = _quantiles(workload.prompts)
@@ -119,18 +129,6 @@ def prefill_budget_ms(slo: Slo) -> float:
     """The TTFT a disaggregated prefill may take: the SLO less one decode round for the first
     token and a tenth of the SLO for decode's admission."""
     return slo.prefill - slo.decode - ADMISSION_SHARE * slo.prefill
-
-
-def _bisect(f: Callable[[np.ndarray], np.ndarray], share: float, n: int) -> np.ndarray:
-    """Largest rho per template with f(rho) >= share; the attainment f falls with rho."""
-    lo, hi = np.zeros(n), np.full(n, MAX_UTILIZATION)
-    ok_hi = f(hi) >= share
-    for _ in range(BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        ok = f(mid) >= share
-        lo, hi = np.where(ok, mid, lo), np.where(ok, hi, mid)
-    feasible = f(np.full(n, 1e-4)) >= share
-    return np.where(ok_hi, MAX_UTILIZATION, np.where(feasible, lo, 0.0))
 
 
 def _quantiles(values: np.ndarray) -> np.ndarray:

@@ -128,13 +128,22 @@ def prefill_capacity(
     def ok(rho: np.ndarray) -> np.ndarray:
         return prefill_attainment(engine, rho, lengths, arrival_scv, budget_ms) >= share
 
-    n = len(engine.chunk)
-    lo, hi = np.zeros(n), np.ones(n)
+    return np.asarray(highest_each(ok, len(engine.chunk), 1.0, steps) * engine.mu, dtype=np.float64)
+
+
+def highest_each(
+    ok: Callable[[np.ndarray], np.ndarray], n: int, top: float, steps: int = BISECTION_STEPS
+) -> np.ndarray:
+    """Per entry, the largest x in [0, top] with ok(x), ok falling with x (vectorised
+    bisection in `steps`): `top` where ok(top), 0 where even ok(1e-4) fails."""
+    lo, hi = np.zeros(n), np.full(n, top)
+    ok_top = ok(hi)
     for _ in range(steps):
         mid = (lo + hi) / 2
         good = ok(mid)
         lo, hi = np.where(good, mid, lo), np.where(good, hi, mid)
-    return np.asarray(np.where(ok(np.full(n, 1e-4)), lo, 0.0) * engine.mu, dtype=np.float64)
+    feasible = ok(np.full(n, 1e-4))
+    return np.asarray(np.where(ok_top, top, np.where(feasible, lo, 0.0)), dtype=np.float64)
 
 
 def aggregated_meets(

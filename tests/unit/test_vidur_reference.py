@@ -20,7 +20,6 @@ from solver.evaluation.reference import (
 )
 from solver.evaluation.vidur_bench import cases as vidur_cases
 from solver.performance.kernel_fit import calibrate_kernels, load_profiled_layer
-from solver.simulation.simulator import engine_pass
 from solver.stack import Slo
 from solver.templates.instance_model import CHUNK_TPOT_FACTOR, MIN_CHUNK_TOKENS, InstanceModel
 from tests.allocation_helpers import perf
@@ -116,19 +115,12 @@ def test_pipeline_depth_adds_its_stages_to_every_token_under_interference():
     assert pp2[0] > 0.8 * pp1[0]
 
 
-def _attainment_at(inst: InstanceModel, case: Case, rate: float, chunk: int) -> float:
+def _attainment_at(case: Case, rate: float, chunk: int) -> float:
     """Our engine's attainment (the capacity model's own criterion for the phase) on 400
     requests at `rate`, with the instance's chunk replaced by `chunk`."""
     req = requests(case, rate, 400, seed=11)
-    first, finish, _ = engine_pass(
-        inst, req.arrival_s, req.prompt, req.output, chunk, inst.max_running
-    )
-    ttft = first - req.arrival_s
-    with np.errstate(invalid="ignore"):
-        tpot = np.where(req.output > 1, (finish - first) / np.maximum(req.output - 1, 1), 0.0)
-    slo, _ = case.judged
-    ok = np.isfinite(finish) & (ttft * 1e3 <= slo.prefill) & (tpot * 1e3 <= slo.decode)
-    return float(ok.mean())
+    out = simulate_ours(perf(), instance_template(perf(), case), case, req, chunk)
+    return out.attainment(case.judged[0])
 
 
 @pytest.mark.parametrize("nodes", [(NODE,), (NODE, NODE)])
@@ -140,8 +132,8 @@ def test_a_prefill_only_chunk_is_the_one_that_serves_most(nodes):
     case, inst = _instance(nodes, "prefill")
     assert inst.max_batched_tokens < inst.max_prefill_tokens
     rate = 3.0 if len(nodes) == 2 else 1.6
-    chosen = _attainment_at(inst, case, rate, inst.max_batched_tokens)
-    largest = _attainment_at(inst, case, rate, inst.max_prefill_tokens)
+    chosen = _attainment_at(case, rate, inst.max_batched_tokens)
+    largest = _attainment_at(case, rate, inst.max_prefill_tokens)
     assert chosen >= case.judged[1] > largest
 
 
@@ -156,9 +148,7 @@ def test_an_aggregated_chunk_is_chosen_for_the_slo():
         if inst.prefill_ms(x)[0] <= CHUNK_TPOT_FACTOR * SLO.decode
     )
     assert MIN_CHUNK_TOKENS <= inst.max_batched_tokens < rule
-    assert _attainment_at(inst, case, 1.0, inst.max_batched_tokens) > _attainment_at(
-        inst, case, 1.0, rule
-    )
+    assert _attainment_at(case, 1.0, inst.max_batched_tokens) > _attainment_at(case, 1.0, rule)
 
 
 @pytest.mark.parametrize("case", vidur_cases(), ids=lambda c: c.label)
