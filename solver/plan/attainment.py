@@ -48,6 +48,7 @@ from solver.simulation.workload import (
 from solver.stack import FleetConfig, ModelSpec
 from solver.templates.instance_model import InstanceModel
 from solver.templates.library import Library
+from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
 MARGIN = 0.02  # the closed loop aims this far above each target (seed-to-seed noise)
@@ -129,15 +130,16 @@ def _reachable_factors(
     the SLO on every template), at the highest target some template reaches, in steps of
     0.01; when none reaches any, a token UNREACHABLE_FACTOR for every template, so the plan
     still serves and the verification reports the model short, with why."""
+    built: dict[str, InstanceModel] = {}  # each instance (and its chunk search) once
+
+    def instance(t: ServingTemplate) -> InstanceModel:
+        if t.key not in built:
+            built[t.key] = InstanceModel.serving(perf, t, spec)
+        return built[t.key]
+
     target = spec.slo_attainment
     while target > 0:
-        f = capacity_factors(
-            lib.templates,
-            spec.slo_ms,
-            workload,
-            target,
-            lambda t: InstanceModel.serving(perf, t, spec),
-        )
+        f = capacity_factors(lib.templates, spec.slo_ms, workload, target, instance)
         if f.max(initial=0.0) > 0:
             return f
         target = round(target - 0.01, 3)
