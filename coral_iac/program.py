@@ -39,6 +39,7 @@ from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
+from coral_iac.deployable import deploy_problems
 from coral_iac.exposure import exposure_warnings
 from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
@@ -147,57 +148,7 @@ def make_plan(
 
 def check_deployable(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> None:
     """Fail the preview (not a node at boot) when the plan cannot run as declared."""
-    problems = []
-    unsold = sorted(
-        {
-            (i.cloud, i.region, n)
-            for i in plan.instances
-            for n in i.nodes
-            if catalog.offer_in(n, i.cloud, i.region) is None
-        }
-    )
-    if unsold:
-        problems.append(
-            "no instance type sells "
-            + ", ".join(f"{n} in {c}:{r}" for c, r, n in unsold)
-            + ": a node priced only under coral:fleet.prices can be planned and simulated, not "
-            "deployed; add the offer to the catalog, or remove the node from node_configs"
-        )
-    if fleet.library.mode == "paper":
-        problems.append(
-            "coral:fleet.library.mode is 'paper': the paper's template space (data-parallel "
-            "stages, a TP degree per node, multi-node decode pipelines) is for evaluation and "
-            "simulation; stock vLLM runs one TP size per pipeline and PP=1 on the disaggregated "
-            "decode side, so it cannot run these placements; set mode: vllm to deploy"
-        )
-    elif fleet.library.mode != "vllm":
-        problems.append(
-            f"coral:fleet.library.mode is '{fleet.library.mode}': only 'vllm' placements run on "
-            "stock vLLM; set mode: vllm (use general for benchmarks only)"
-        )
-    budget = fleet.allocation.budget_usd_per_hour
-    if budget is not None and any(line.startswith("budget") for line in plan.binding):
-        problems.append(
-            f"the plan exceeds the budget: {budget} $/hour serves only "
-            f"{plan.served_fraction:.1%} of demand; raise coral:fleet.allocation."
-            "budget_usd_per_hour or lower demand"
-        )
-    if plan.served_fraction == 0 and plan.jobs:
-        problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
-    if not fleet.attainment.accept_below_target:
-        for a in plan.below_target():
-            problems.append(
-                f"{a.model} meets its SLOs for {100 * (a.verified or 0):.1f}% of requests in "
-                f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "
-                "coral:fleet.attainment.rounds, lower the model's slo_attainment, or set "
-                "coral:fleet.attainment.accept_below_target: true to deploy it anyway"
-            )
-    for model, cloud, region, phases in plan.unpaired():
-        problems.append(
-            f"{model} has only {'/'.join(phases)} instances in {cloud}:{region}; a "
-            "disaggregated pair needs both in one region (KV moves over the private "
-            "network). Restrict the model's regions, or set serving: aggregated"
-        )
+    problems = deploy_problems(plan, fleet, catalog)
     if problems:
         raise pulumi.RunError("Coral cannot deploy this plan:\n  " + "\n  ".join(problems))
 

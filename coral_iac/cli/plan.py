@@ -92,6 +92,7 @@ def plan(
     result = make_plan(stack, baseline or "coral", previous, library, workers, add_only, force)
     if (line := gap_warning(result)) is not None:
         warn(line)
+    problems = deploy_problems_of(result, stack)
     failed = result.served_fraction < 1 or bool(result.below_target())
     # A zero-served plan, or one failing --strict, never replaces the running plan in --out.
     write = out_file is not None and not (strict and failed) and result.served_fraction > 0
@@ -101,11 +102,12 @@ def plan(
         assert out_file is not None
         write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
     if as_json:
-        print_json(plan_json(result))
+        print_json(plan_json(result) | {"deploy_problems": problems})
     else:
         show_plan(result)
         if write:
             err.print(f"Wrote {out_file}")
+        show_deployable(problems)
     for a in result.below_target():
         warn(
             f"{a.model}: SLO attainment {100 * (a.verified or 0):.1f}% on the verification "
@@ -198,6 +200,23 @@ def load_plan(path: Path) -> Any:
     return parse_model(Plan, data, str(path))
 
 
+def deploy_problems_of(p: Any, stack: str) -> list[str]:
+    """Why the Pulumi program would refuse the plan for this stack (empty: it deploys)."""
+    from coral_iac.deployable import deploy_problems
+    from solver.performance.default_model import load_perf_model
+
+    return deploy_problems(p, load_stack_named(stack), load_perf_model().catalog)
+
+
+def show_deployable(problems: list[str]) -> None:
+    if not problems:
+        err.print("Deployable: `pulumi up` accepts this plan.")
+        return
+    err.print("[red]`pulumi up` will refuse this plan:[/]", highlight=False)
+    for line in problems:
+        err.print(f"  - {line}", highlight=False, soft_wrap=True)
+
+
 def gap_warning(p: Any) -> str | None:
     """A line when the plan's optimality gap is unknown or above the stack's relative_gap."""
     s = p.solver
@@ -269,6 +288,8 @@ def show_plan(p: Any) -> None:
         )
     for line in p.binding:
         err.print(f"[yellow]Limited by:[/] {line}", highlight=False)
+    if p.closed_loop_stop:
+        err.print(f"SLO closed loop stopped: {p.closed_loop_stop}", highlight=False)
 
 
 def attainment_table(p: Any) -> Table:

@@ -162,32 +162,99 @@ def plan_to_target(
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
     best = (plan, planned, dict(headroom))
-    boost: dict[str, float] = {}  # a cut that changed none of a model's instances doubles
-    while rounds and plan.instances and (short := loop.short(planned)):
-        for model, gap in short.items():
-            _raise_headroom(headroom, model, gap, sims[model], fleet, boost.get(model, 1.0))
+    stop = _initial_stop(plan, rounds)
+    while not stop and (short := loop.short(planned)):
+        if rounds == 0:
+            stop = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
+            break
         rounds -= 1
-        before = _fleet_keys(plan)
-        plan, planned, sims = loop.run(headroom)
-        after = _fleet_keys(plan)
-        for model in short:
-            same = before.get(model) == after.get(model)
-            boost[model] = boost.get(model, 1.0) * 2 if same else 1.0
+        cut = _cut_that_changes(plan, headroom, short, sims, fleet, loop)
+        if cut is None:
+            names = ", ".join(sorted(short))
+            stop = (
+                f"cutting the capacity of {names} by up to {MAX_STEP:.0%} changed no instance "
+                "(the plan cannot add what they lack: see the binding constraints)"
+            )
+            break
+        headroom, trial = cut
+        plan, planned, sims = loop.run(headroom, trial)
         if _closer(plan, planned, best, fleet):
             best = (plan, planned, dict(headroom))
+        if not plan.instances:
+            stop = "a round served nothing"
     if not plan.instances or loop.short(planned):  # the round closest to every target
         if _closer(best[0], best[1], (plan, planned, headroom), fleet):
             plan, planned, headroom = best[0], best[1], dict(best[2])
-    while rounds and plan.instances and not loop.short(planned):  # give back spare headroom
-        trial = _relaxed(headroom, planned, fleet)
-        if trial is None:
+    while not stop and plan.instances and not loop.short(planned):  # give back spare headroom
+        if rounds == 0:
+            stop = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
+            break
+        given = _give_back_that_changes(plan, headroom, planned, fleet, loop)
+        if given is None:
+            stop = "every model meets its target, and giving capacity back changed no instance"
             break
         rounds -= 1
-        relaxed, relaxed_planned, _ = loop.run(trial)
+        relaxed, relaxed_planned, _ = loop.run(*given)
         if loop.short(relaxed_planned):
+            stop = "giving capacity back put a model below its target: kept the round before"
             break
-        plan, planned, headroom = relaxed, relaxed_planned, trial
-    return _verified(plan, fleet, perf, planned, headroom, root)
+        plan, planned, headroom = relaxed, relaxed_planned, given[0]
+    if loop.progress and stop:
+        loop.progress(f"stopped after round {loop.count - 1}: {stop}")
+    return _verified(plan, fleet, perf, planned, headroom, root, stop)
+
+
+BOOSTS = (1.0, 2.0, 4.0, 8.0, 16.0)  # MIN_STEP x 16 > MAX_STEP: the last try is the largest cut
+
+
+def _initial_stop(plan: Plan, rounds: int) -> str:
+    """Why the loop does not start ('' when it does)."""
+    if rounds == 0:
+        return "no closed loop (attainment.rounds = 0)"
+    if not plan.instances:
+        return "the plan serves nothing"
+    return ""
+
+
+def _cut_that_changes(
+    plan: Plan,
+    headroom: dict[Job, float],
+    short: dict[str, float],
+    sims: dict[str, ModelResult],
+    fleet: FleetConfig,
+    loop: _Loop,
+) -> tuple[dict[Job, float], Plan] | None:
+    """The smallest capacity cut for the short models (by `_raise_headroom`, its floor doubled
+    until it reaches MAX_STEP) whose plan differs from `plan` in some instance, and that plan;
+    None when even the largest changes nothing. Plans without simulating: a cut that whole
+    instances absorb would only re-simulate the same fleet."""
+    before = _fleet_keys(plan)
+    for boost in BOOSTS:
+        trial = dict(headroom)
+        for model, gap in short.items():
+            _raise_headroom(trial, model, gap, sims[model], fleet, boost)
+        candidate = loop.solve(_scaled(loop.base, trial))
+        if _fleet_keys(candidate) != before:
+            return trial, candidate
+    return None
+
+
+def _give_back_that_changes(
+    plan: Plan,
+    headroom: dict[Job, float],
+    planned: dict[str, float],
+    fleet: FleetConfig,
+    loop: _Loop,
+) -> tuple[dict[Job, float], Plan] | None:
+    """Headroom given back to the models well above target (`_relaxed`, repeated up to
+    MAX_HEADROOM) until the plan drops an instance, and that plan; None when it never does."""
+    before, trial = _fleet_keys(plan), headroom
+    while (more := _relaxed(trial, planned, fleet)) is not None:
+        trial = more
+        candidate = loop.solve(_scaled(loop.base, trial))
+        if _fleet_keys(candidate) != before:
+            return trial, candidate
+    return None
 
 
 def _closer(
@@ -225,9 +292,10 @@ class _Loop:
         self.cache: dict[tuple[object, ...], ModelResult] = {}
 
     def run(
-        self, headroom: dict[Job, float], simulate_it: bool = True
+        self, headroom: dict[Job, float], plan: Plan | None = None, simulate_it: bool = True
     ) -> tuple[Plan, dict[str, float], dict[str, ModelResult]]:
-        plan = self.solve(_scaled(self.base, headroom))
+        """Plan at `headroom` (or take `plan`, already planned at it) and simulate it."""
+        plan = plan or self.solve(_scaled(self.base, headroom))
         if not simulate_it or not plan.instances:
             return plan, {}, {}
         keys = _fleet_keys(plan)
@@ -367,6 +435,7 @@ def _verified(
     planned: dict[str, float],
     headroom: dict[Job, float],
     root: Path | None,
+    stop: str = "",
 ) -> Plan:
     minutes = fleet.attainment.verify_minutes
     sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
@@ -390,7 +459,7 @@ def _verified(
                 cause=_cause(r, spec.slo_ms.prefill, spec.slo_ms.decode) if short and r else "",
             )
         )
-    return plan.model_copy(update={"attainment": rows})
+    return plan.model_copy(update={"attainment": rows, "closed_loop_stop": stop})
 
 
 def _cause(r: ModelResult, ttft_slo: float, tpot_slo: float) -> str:

@@ -154,6 +154,10 @@ class Plan(BaseModel):
     routing: list[RoutingDecision] = Field(
         default_factory=list, description="Length routing, per model that asks for it."
     )
+    closed_loop_stop: str = Field(
+        default="",
+        description="Why the SLO closed loop stopped, in words ('' where none ran).",
+    )
 
     def gpus(self, catalog: Catalog) -> int:
         """GPUs the plan rents: every node of every instance, by its config's GPU count."""

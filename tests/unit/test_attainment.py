@@ -57,6 +57,20 @@ def test_the_dev_plan_meets_its_target_on_a_seed_nobody_used(perf, dev_library):
     assert result.met.mean() >= 0.9
 
 
+def test_the_closed_loop_stops_when_a_round_would_change_nothing(perf, dev_library):
+    """Regression: on dev the loop ran 7 rounds that gave capacity back without changing an
+    instance (same cost, same attainment each round). A round that changes no instance is not
+    run, and the plan says why the loop stopped."""
+    fleet = load_stack(REPO / "stacks", "dev")
+    lines: list[str] = []
+    plan = plan_with_library("dev", fleet, perf, dev_library, root=REPO, on_round=lines.append)
+    rounds = [line for line in lines if line.startswith("round ")]
+    costs = [line.split(";")[0].split(": ")[1] for line in rounds]
+    assert len(costs) == len(set(costs)) or len(rounds) == 1, lines  # no round repeats a plan
+    assert "changed no instance" in plan.closed_loop_stop
+    assert lines[-1].endswith(plan.closed_loop_stop)
+
+
 def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     tmp_path, monkeypatch, perf
 ):
@@ -78,6 +92,9 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     assert r.exit_code == 0, r.output
     written = Plan.model_validate_json(old.read_text())
     assert written.below_target() and written.below_target()[0].cause
+    # Known when the plan is written, not at the preview: the program's own refusal and fix.
+    assert "`pulumi up` will refuse this plan" in r.output
+    assert "accept_below_target: true to deploy it anyway" in " ".join(r.output.split())
 
 
 def _ones(libs):

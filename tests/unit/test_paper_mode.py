@@ -178,3 +178,20 @@ def test_a_paper_plan_validates_and_prices_on_the_paper_market():
     for i in p.instances:
         nodes = [perf().catalog.node(n) for n in i.nodes]
         assert i.usd_per_hour == pytest.approx(sum(per_gpu[c.gpu_id] * c.gpu_count for c in nodes))
+
+
+def test_an_unpaired_plan_names_the_setting_that_pairs_it():
+    """Regression: under colocate_phases: false a plan could hold a model's prefill in one region
+    and its decode in another; the program refused it only at preview, and the fix it named
+    (restrict the regions) did not say which setting let the planner split them."""
+    from coral_iac.deployable import deploy_problems
+
+    fleet = paper_fleet(library={"mode": "vllm"}, allocation={"colocate_phases": False})
+    plan = stub_plan([])
+    plan.unpaired = lambda: [("phi-4", "aws", "us-east-2", ["prefill"])]
+    (line,) = deploy_problems(plan, fleet, load_catalog())  # type: ignore[arg-type]
+    assert "phi-4 has only prefill instances in aws:us-east-2" in line
+    assert "colocate_phases: true" in line
+    paired = paper_fleet(library={"mode": "vllm"}, allocation={"colocate_phases": True})
+    (line,) = deploy_problems(plan, paired, load_catalog())  # type: ignore[arg-type]
+    assert "colocate_phases" not in line

@@ -1,0 +1,72 @@
+"""Whether the Pulumi program will accept a plan: the checks it runs before declaring anything,
+without Pulumi, so `coral plan` can say so when it writes the plan."""
+
+from __future__ import annotations
+
+from solver.catalog.offers import Catalog
+from solver.plan.schema import Plan
+from solver.stack import FleetConfig
+
+
+def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[str]:
+    """Why the Pulumi program would refuse `plan` for this stack, one line each with the
+    setting that changes it (empty: it deploys). `coral plan` reports the same list when it
+    writes the plan, so a refusal is known before any preview."""
+    problems: list[str] = []
+    unsold = sorted(
+        {
+            (i.cloud, i.region, n)
+            for i in plan.instances
+            for n in i.nodes
+            if catalog.offer_in(n, i.cloud, i.region) is None
+        }
+    )
+    if unsold:
+        problems.append(
+            "no instance type sells "
+            + ", ".join(f"{n} in {c}:{r}" for c, r, n in unsold)
+            + ": a node priced only under coral:fleet.prices can be planned and simulated, not "
+            "deployed; add the offer to the catalog, or remove the node from node_configs"
+        )
+    if fleet.library.mode == "paper":
+        problems.append(
+            "coral:fleet.library.mode is 'paper': the paper's template space (data-parallel "
+            "stages, a TP degree per node, multi-node decode pipelines) is for evaluation and "
+            "simulation; stock vLLM runs one TP size per pipeline and PP=1 on the disaggregated "
+            "decode side, so it cannot run these placements; set mode: vllm to deploy"
+        )
+    elif fleet.library.mode != "vllm":
+        problems.append(
+            f"coral:fleet.library.mode is '{fleet.library.mode}': only 'vllm' placements run on "
+            "stock vLLM; set mode: vllm (use general for benchmarks only)"
+        )
+    budget = fleet.allocation.budget_usd_per_hour
+    if budget is not None and any(line.startswith("budget") for line in plan.binding):
+        problems.append(
+            f"the plan exceeds the budget: {budget} $/hour serves only "
+            f"{plan.served_fraction:.1%} of demand; raise coral:fleet.allocation."
+            "budget_usd_per_hour or lower demand"
+        )
+    if plan.served_fraction == 0 and plan.jobs:
+        problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
+    if not fleet.attainment.accept_below_target:
+        for a in plan.below_target():
+            problems.append(
+                f"{a.model} meets its SLOs for {100 * (a.verified or 0):.1f}% of requests in "
+                f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "
+                "coral:fleet.attainment.rounds, lower the model's slo_attainment, or set "
+                "coral:fleet.attainment.accept_below_target: true to deploy it anyway"
+            )
+    for model, cloud, region, phases in plan.unpaired():
+        problems.append(
+            f"{model} has only {'/'.join(phases)} instances in {cloud}:{region}; a "
+            "disaggregated pair needs both in one region (KV moves over the private "
+            "network). "
+            + (
+                "Set coral:fleet.allocation.colocate_phases: true (the planner then pairs them), "
+                if not fleet.allocation.colocate_phases
+                else ""
+            )
+            + "restrict the model's regions, or set serving: aggregated"
+        )
+    return problems
