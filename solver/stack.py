@@ -170,6 +170,12 @@ class LibrarySettings(BaseModel):
     n_max: int = Field(default=6, ge=1, le=8, description="Most nodes in one serving template.")
     rho: float = Field(default=12, gt=1, description="Most total GPU memory, x model weights.")
     mode: Mode = Field(default="vllm", description="Runtime capability: vllm, general or paper.")
+    mixing: bool = Field(
+        default=True,
+        description="Templates may mix GPU types; false keeps one GPU type per template (node "
+        "configs of one GPU with different counts still combine), to see what heterogeneity "
+        "buys on this stack.",
+    )
 
 
 class Region(BaseModel):

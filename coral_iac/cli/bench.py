@@ -24,6 +24,8 @@ from coral_iac.cli.console import (
 from solver.errors import CoralError
 
 METHODS = ("coral", "homo", "cauchy")
+UNMIXED = "coral-one-gpu-type"  # Coral on a library without mixing (coral:fleet.library.mixing)
+COLORS = {"coral": "C0", "homo": "C1", "cauchy": "C2", UNMIXED: "C3"}
 
 # The paper's headline ratios (Mei et al., arXiv 2605.04357, Sec. 6.3-6.5): cost of Homo and
 # Cauchy over Coral's at default demand; under scarcity, Coral's goodput over theirs.
@@ -62,6 +64,11 @@ def with_traces(fleet: Any, traces: str) -> Any:
     return fleet.model_copy(update={"models": models})
 
 
+def unmixed(fleet: Any) -> Any:
+    """The stack with `library.mixing: false`: one GPU type per template."""
+    return fleet.model_copy(update={"library": fleet.library.model_copy(update={"mixing": False})})
+
+
 def with_target(fleet: Any, target: float | None) -> Any:
     """Every model's SLO attainment target set to `target` (None: the stack's)."""
     if target is None:
@@ -71,10 +78,11 @@ def with_target(fleet: Any, target: float | None) -> Any:
 
 
 def bench_row(
-    name: str, mode: str, method: str, fleet: Any, perf: Any, libs: Any
+    name: str, mode: str, method: str, fleet: Any, perf: Any, libs: Any, label: str | None = None
 ) -> dict[str, Any]:
     """One method planned to the stack's attainment targets (the same capacity model and closed
-    loop for every method), verified on the workload the planner never saw."""
+    loop for every method), verified on the workload the planner never saw; `label` names the
+    row when it is not the method's own name."""
     from solver.plan.attainment import plan_to_target, simulate_workload
     from solver.plan.planner import plan_stack
 
@@ -89,7 +97,7 @@ def bench_row(
     return {
         "stack": name,
         "mode": mode,
-        "method": method,
+        "method": label or method,
         "usd_per_hour": plan.hourly_cost_usd,
         "served": plan.served_fraction,
         "gpus": plan.gpus(perf.catalog),
@@ -165,9 +173,20 @@ def bench(
                 libs = libraries_for(
                     perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
                 )
-                for method in METHODS:
+                for method in (*METHODS, UNMIXED):
                     try:
-                        rows.append(bench_row(name, mode, method, fleet, perf, libs))
+                        if method == UNMIXED:  # what mixing GPU types buys on this stack
+                            one = unmixed(fleet)
+                            one_libs = libraries_for(
+                                perf,
+                                one,
+                                list(stack_demand(one)),
+                                library_cache(one),
+                                workers=workers,
+                            )
+                            rows.append(bench_row(name, mode, "coral", one, perf, one_libs, method))
+                        else:
+                            rows.append(bench_row(name, mode, method, fleet, perf, libs))
                     except CoralError as e:  # one failed solve must not lose the whole run
                         err.print(Text(f"{name} {mode} {method}: {e}"), highlight=False)
                         rows.append(
@@ -256,15 +275,16 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
     out = [
         "## Headline ratios",
         "",
-        "| stack | mode | Homo $ / Coral $ | Cauchy $ / Coral $ | Coral goodput / Homo "
-        "| Coral goodput / Cauchy | paper |",
-        "|---|---|---:|---:|---:|---:|---|",
+        "| stack | mode | Homo $ / Coral $ | Cauchy $ / Coral $ | one GPU type $ / Coral $ "
+        "| Coral goodput / Homo | Coral goodput / Cauchy | paper |",
+        "|---|---|---:|---:|---:|---:|---:|---|",
     ]
     by = {(r["stack"], r["mode"], r["method"]): r for r in rows}
     for stack, mode in dict.fromkeys((r["stack"], r["mode"]) for r in rows):
         c, h, k = (by[(stack, mode, m)] for m in METHODS)
+        u = by.get((stack, mode, UNMIXED), {"error": "not run"})
         if any("error" in r for r in (c, h, k)):
-            out.append(f"| {stack} | {mode} | - | - | - | - | {PAPER.get(stack, '')} |")
+            out.append(f"| {stack} | {mode} | - | - | - | - | - | {PAPER.get(stack, '')} |")
             continue
 
         def ratio(a: float, b: float) -> str:
@@ -278,7 +298,8 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
             return ratio(base["usd_per_hour"], coral["usd_per_hour"])
 
         out.append(
-            f"| {stack} | {mode} | {cost(h, c)} | {cost(k, c)} | {ratio(c['goodput'], h['goodput'])} "
+            f"| {stack} | {mode} | {cost(h, c)} | {cost(k, c)} "
+            f"| {'-' if 'error' in u else cost(u, c)} | {ratio(c['goodput'], h['goodput'])} "
             f"| {ratio(c['goodput'], k['goodput'])} | {PAPER.get(stack, '')} |"
         )
     return out
@@ -329,7 +350,7 @@ def _plots(plt: Any, rows: list[dict[str, Any]], out_dir: Path) -> None:
             ax.bar(
                 [f"{r['mode']}\n{r['method']}" for r in mine],
                 values,
-                color=[{"coral": "C0", "homo": "C1", "cauchy": "C2"}[r["method"]] for r in mine],
+                color=[COLORS[r["method"]] for r in mine],
             )
             if log:
                 ax.set_yscale("log")

@@ -57,12 +57,21 @@ def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[s
 
 
 def enumerate_multisets(
-    nodes: list[str], n_max: int, rho: float, weight_bytes: float, catalog: Catalog
+    nodes: list[str],
+    n_max: int,
+    rho: float,
+    weight_bytes: float,
+    catalog: Catalog,
+    mixing: bool = True,
 ) -> Iterator[tuple[str, ...]]:
-    """Multisets of at most n_max nodes with weights <= total GPU memory <= rho x weights."""
+    """Multisets of at most n_max nodes with weights <= total GPU memory <= rho x weights;
+    without `mixing`, only those whose nodes all carry one GPU type."""
     mem = {n: catalog.node(n).memory_gb * 1e9 for n in nodes}
+    gpu = {n: catalog.node(n).gpu_id for n in nodes}
     for size in range(1, n_max + 1):
         for combo in itertools.combinations_with_replacement(sorted(nodes), size):
+            if not mixing and len({gpu[n] for n in combo}) > 1:
+                continue
             total = sum(mem[n] for n in combo)
             if weight_bytes <= total <= rho * weight_bytes:
                 yield combo

@@ -120,6 +120,8 @@ def input_hashes(
         "rho": digest(fleet.library.rho),
         "mode": digest(fleet.library.mode),
     }
+    if not fleet.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
+        hashes["mixing"] = digest(False)
     if fleet.library.mode == "paper" and phase == "decode":  # coupled decode pipelines (#19)
         hashes["placement"] = digest(COUPLED_DECODE_VERSION)
     return hashes
@@ -145,7 +147,9 @@ def build_libraries(
     for job in jobs:
         weight = perf.card(job[0]).weight_bytes
         multisets[job] = list(
-            enumerate_multisets(nodes, settings.n_max, settings.rho, weight, perf.catalog)
+            enumerate_multisets(
+                nodes, settings.n_max, settings.rho, weight, perf.catalog, settings.mixing
+            )
         )
     tasks = [
         (job, ms[i : i + CHUNK]) for job, ms in multisets.items() for i in range(0, len(ms), CHUNK)

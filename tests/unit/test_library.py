@@ -198,3 +198,31 @@ def test_node_configs_only_the_stack_prices_are_enumerated(perf):
     catalog_only = fleet.model_copy(update={"prices": []})
     _, unsold = available_node_configs(catalog_only, perf.catalog)
     assert set(unsold) == own
+
+
+def test_without_mixing_every_template_has_one_gpu_type_and_costs_no_less():
+    """`library.mixing: false` keeps the templates of one GPU type (l4x1 with l4x4 still
+    combine); the plan on that restricted library never costs less than on the mixed one."""
+    from solver.plan.demand import stack_demand
+    from solver.plan.planner import plan_stack
+    from solver.templates.library import build_libraries, input_hashes
+    from tests.allocation_helpers import SMALL_FLEET, fleet, libraries
+    from tests.allocation_helpers import perf as small_perf
+
+    unmixed = fleet(library=SMALL_FLEET["library"] | {"mixing": False})
+    built = build_libraries(small_perf(), unmixed, list(stack_demand(unmixed)))  # type: ignore[arg-type]
+    libs = {(lib.model, lib.phase): lib for lib in built}
+    catalog = small_perf().catalog
+    gpus = [{catalog.node(n).gpu_id for n in t.nodes} for lib in built for t in lib.templates]
+    assert gpus and all(len(g) == 1 for g in gpus)
+    mixed = [t for lib in libraries().values() for t in lib.templates]
+    assert any(len({catalog.node(n).gpu_id for n in t.nodes}) > 1 for t in mixed)
+    assert any({"l4x1", "l4x4"} <= set(t.nodes) for lib in built for t in lib.templates)
+    one_type = plan_stack("s", unmixed, catalog, libs)
+    both = plan_stack("s", fleet(), catalog, libraries())
+    assert one_type.served_fraction == both.served_fraction == 1
+    assert one_type.hourly_cost_usd >= both.hourly_cost_usd - 1e-6
+    # A library built with mixing is stale for a stack without it, and the other way round.
+    model = next(iter(unmixed.models))
+    hashes = [input_hashes(small_perf(), f, model, "decode") for f in (unmixed, fleet())]
+    assert hashes[0]["mixing"] and "mixing" not in hashes[1]

@@ -314,14 +314,18 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
     r = CliRunner().invoke(app, ["bench", "--stack", "dev", "--mode", "vllm", "--out", str(out)])
     assert r.exit_code == 0, r.output
     report = (out / "report.md").read_text()
-    for method in ("coral", "homo", "cauchy"):
+    methods = ("coral", "homo", "cauchy", "coral-one-gpu-type")
+    for method in methods:
         assert report.count(f"| dev | vllm | {method} |") == 1
     headline = report.split("## Headline ratios")[1]
     assert headline.count("| dev | vllm |") == 1
     rows = json.loads((out / "results.json").read_text())
-    assert {r["method"] for r in rows} == {"coral", "homo", "cauchy"}
+    assert {r["method"] for r in rows} == set(methods)
     for row in rows:  # equal attainment: every method planned and verified to dev's 0.9
         assert row["worst_model"] >= 0.9 and not row["below_target"], row
+    # A restriction of Coral's templates: never cheaper at the same targets
+    by = {r["method"]: r for r in rows}
+    assert by["coral-one-gpu-type"]["usd_per_hour"] >= by["coral"]["usd_per_hour"]
     for png in ("cost_by_model.png", "goodput.png", "solve_time.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
 
