@@ -23,8 +23,8 @@ request's passes are heavy for a share f = lambda E[rounds] TPOT of them, so
 TPOT = S light / (1 - lambda E[rounds] S (heavy - light)), with light and heavy at b / S decodes
 (a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
 TPOT per output length (while a request of O tokens decodes, Poisson(lambda (O - 1) TPOT)
-prompts arrive, each making a run of its rounds heavy: short outputs are the ones one long
-prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait for a
+prompts arrive, each making a run of its rounds heavy, each round at its own piece and its own
+length's attention: short outputs are the ones one long prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait for a
 micro-batch with room, each of the S holding one prompt for its rounds: M/G/S by Sakasegawa's
 approximation, Kingman's for S = 1, with an exponential tail; and its own rounds, each as heavy
 as its own piece).
@@ -199,27 +199,32 @@ def aggregated_meets(
         if abs(nxt - tpot) < FIXED_POINT_TOLERANCE * tpot:
             break
         tpot = (tpot + nxt) / 2
-    # While a request of O tokens decodes, Poisson(rate (O - 1) TPOT) prompts arrive and each
-    # makes E[rounds] of its passes heavy (in a run): its TPOT is met while at most
-    # (SLO - S light) (O - 1) / (S (heavy - light)) passes are heavy.
-    steps = np.maximum(outputs - 1, 1)
-    allowed = (tpot_slo_s - s * light) * steps / (s * max(heavy - light, 1e-12))
-    # Each heavy pass lengthens the window, letting more prompts in (a branching process with
-    # mean offspring `stall` per pass): the mean is in TPOT already, the count's variance grows
-    # by 1 / (1 - stall)^2 beyond Poisson's.
-    dispersion = 1.0 / (1.0 - stall) ** 2
-    met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, rounds, dispersion)
-    tpot_met = float(np.where(outputs > 1, met_tpot, 1.0).mean())
-    # Waiting for a micro-batch with room: M/G/S (Sakasegawa's approximation, Kingman's for
-    # S = 1), waiting at all with probability p_wait, then exponentially.
-    p_wait = busy ** (math.sqrt(2 * (s + 1)) - 1)
-    wait = p_wait / (s * (1 - busy)) * (arrival_scv + cs2) / 2 * holding
+    # Each prompt's rounds at its own piece, attending to its own length (a long prompt's
+    # chunks are full and attend far: heavier than the mean's).
     own = np.array(
         [
             stage_s(per_batch + x / r, per_batch, x / r, x)
             for x, r in zip(lengths, rounds, strict=True)
         ]
     )
+    # While a request of O tokens decodes, Poisson(rate (O - 1) TPOT) prompts arrive and each
+    # adds its rounds x (its heavy pass - light) to the S-stage passes of its window: its TPOT
+    # is met while that extra stays within (SLO - S light) (O - 1) / S. Counted in mean heavy
+    # passes (heavy - light), so a prompt of the mean's length adds its rounds.
+    steps = np.maximum(outputs - 1, 1)
+    unit = max(heavy - light, 1e-12)
+    allowed = (tpot_slo_s - s * light) * steps / (s * unit)
+    extra = rounds * np.maximum(own - light, 0.0) / unit
+    # Each heavy pass lengthens the window, letting more prompts in (a branching process with
+    # mean offspring `stall` per pass): the mean is in TPOT already, the count's variance grows
+    # by 1 / (1 - stall)^2 beyond Poisson's.
+    dispersion = 1.0 / (1.0 - stall) ** 2
+    met_tpot = compound_poisson_cdf(allowed, rate * steps * tpot, extra, dispersion)
+    tpot_met = float(np.where(outputs > 1, met_tpot, 1.0).mean())
+    # Waiting for a micro-batch with room: M/G/S (Sakasegawa's approximation, Kingman's for
+    # S = 1), waiting at all with probability p_wait, then exponentially.
+    p_wait = busy ** (math.sqrt(2 * (s + 1)) - 1)
+    wait = p_wait / (s * (1 - busy)) * (arrival_scv + cs2) / 2 * holding
     slack = ttft_s - s * light / 2 - rounds * s * own
     late = p_wait * np.exp(-p_wait * np.maximum(slack, 0.0) / max(wait, 1e-12))
     ttft_met = float(np.where(slack >= 0, 1.0 - late, 0.0).mean())
