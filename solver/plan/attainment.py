@@ -172,8 +172,8 @@ def plan_to_target(
         if cut is None:
             names = ", ".join(sorted(short))
             stop = (
-                f"cutting the capacity of {names} by up to {MAX_STEP:.0%} changed no instance "
-                "(the plan cannot add what they lack: see the binding constraints)"
+                f"cutting the capacity of {names} to {MIN_HEADROOM:.0%} of the model's changed "
+                "no instance (the plan cannot add what they lack: see the binding constraints)"
             )
             break
         headroom, trial = cut
@@ -204,7 +204,8 @@ def plan_to_target(
     return _verified(plan, fleet, perf, planned, headroom, root, stop)
 
 
-BOOSTS = (1.0, 2.0, 4.0, 8.0, 16.0)  # MIN_STEP x 16 > MAX_STEP: the last try is the largest cut
+BOOSTS = (1.0, 2.0, 4.0, 8.0)  # a cut that changes nothing doubles its floor, to MAX_STEP
+MIN_HEADROOM = 0.05  # a job cut below this share of its modelled capacity: nothing will help
 
 
 def _initial_stop(plan: Plan, rounds: int) -> str:
@@ -224,15 +225,19 @@ def _cut_that_changes(
     fleet: FleetConfig,
     loop: _Loop,
 ) -> tuple[dict[Job, float], Plan] | None:
-    """The smallest capacity cut for the short models (by `_raise_headroom`, its floor doubled
-    until it reaches MAX_STEP) whose plan differs from `plan` in some instance, and that plan;
-    None when even the largest changes nothing. Plans without simulating: a cut that whole
-    instances absorb would only re-simulate the same fleet."""
-    before = _fleet_keys(plan)
-    for boost in BOOSTS:
-        trial = dict(headroom)
+    """The first of ever deeper capacity cuts for the short models whose plan differs from
+    `plan` in some instance, and that plan; None when the plan stays the same until every
+    short job is below MIN_HEADROOM. Cuts compound (`_raise_headroom`, its floor doubled up
+    to MAX_STEP per try) and are planned without simulating: a cut that whole instances absorb
+    would only re-simulate the same fleet."""
+    before, trial = _fleet_keys(plan), dict(headroom)
+    jobs = [job for job in trial if job[0] in short]
+    tries = 0
+    while any(trial[job] >= MIN_HEADROOM for job in jobs):
+        boost = BOOSTS[min(tries, len(BOOSTS) - 1)]
         for model, gap in short.items():
             _raise_headroom(trial, model, gap, sims[model], fleet, boost)
+        tries += 1
         candidate = loop.solve(_scaled(loop.base, trial))
         if _fleet_keys(candidate) != before:
             return trial, candidate
