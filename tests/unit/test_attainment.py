@@ -80,7 +80,9 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
     doc["config"]["coral:fleet"]["attainment"] = {"rounds": 0}
     (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
-    monkeypatch.setattr(attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs))
+    monkeypatch.setattr(
+        attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+    )
     monkeypatch.chdir(root)
     old = root / "plan.json"
     old.write_bytes(b"the running plan\n")
@@ -104,7 +106,9 @@ def _ones(libs):
 def test_the_program_refuses_a_plan_below_target_unless_the_stack_accepts_it(
     tmp_path, monkeypatch, preview
 ):
-    monkeypatch.setattr(attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs))
+    monkeypatch.setattr(
+        attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+    )
     root = project(tmp_path)
     path = root / "stacks" / "Pulumi.s.yaml"
     doc = yaml.safe_load(path.read_text())
@@ -182,9 +186,7 @@ def test_an_unknown_trace_names_the_key_and_the_packaged_ones():
         model_trace(spec, 0, "plan", 60)
 
 
-def test_a_library_folder_of_another_stack_is_not_overwritten_without_force(
-    tmp_path, monkeypatch
-):
+def test_a_library_folder_of_another_stack_is_not_overwritten_without_force(tmp_path, monkeypatch):
     """`coral plan --library` at another stack's folder: refused when it would build there
     (the folder's OWNER names the stack), allowed with --force."""
     root = project(tmp_path)
@@ -201,3 +203,44 @@ def test_a_library_folder_of_another_stack_is_not_overwritten_without_force(
     assert r.exit_code == 1 and "stack 'other'" in r.output and "--force" in r.output
     r = runner.invoke(app, ["plan", "--stack", "s", "--library", str(lib), "--force"])
     assert r.exit_code == 0, r.output
+
+
+def test_a_cut_that_whole_instances_absorb_compounds_until_the_plan_changes():
+    """Regression: a round whose cut changed no instance ended the loop, so staging stopped at
+    round 0 with gpt-oss-20b at 78% though deeper cuts add instances. Cuts compound, planned
+    without simulating, until the plan changes; only when nothing changes down to MIN_HEADROOM
+    does the loop give up."""
+    from types import SimpleNamespace
+
+    from tests.allocation_helpers import fleet
+
+    f = fleet()
+    job = ("phi-4", "decode")
+
+    def plan_with(n: int):
+        inst = SimpleNamespace(model="phi-4", phase="decode", template="l4x1")
+        return SimpleNamespace(instances=[inst] * n, served_fraction=1.0)
+
+    def loop_adding_below(threshold: float):
+        loop = SimpleNamespace(base={"phi-4/decode/l4x1": 1.0}, solved=[])
+
+        def solve(factors):
+            loop.solved.append(factors["phi-4/decode/l4x1"])
+            return plan_with(2 if factors["phi-4/decode/l4x1"] < threshold else 1)
+
+        loop.solve = solve
+        return loop
+
+    sims = {"phi-4": SimpleNamespace(prefill_done_s=None)}
+    loop = loop_adding_below(0.3)
+    cut = attainment._cut_that_changes(plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f, loop)
+    assert cut is not None
+    headroom, plan = cut
+    assert headroom[job] < 0.3 <= loop.solved[-2] and len(plan.instances) == 2
+    assert loop.solved == sorted(loop.solved, reverse=True)  # every try cuts deeper
+    never = loop_adding_below(0.0)
+    assert (
+        attainment._cut_that_changes(plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f, never)
+        is None
+    )
+    assert min(never.solved) < attainment.MIN_HEADROOM
