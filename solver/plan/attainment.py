@@ -176,8 +176,8 @@ def plan_to_target(
                 "no instance (the plan cannot add what they lack: see the binding constraints)"
             )
             break
-        headroom, trial = cut
-        plan, planned, sims = loop.run(headroom, trial)
+        headroom, cut_plan = cut
+        plan, planned, sims = loop.run(headroom, cut_plan)
         if _closer(plan, planned, best, fleet):
             best = (plan, planned, dict(headroom))
         if not plan.instances:
@@ -185,20 +185,24 @@ def plan_to_target(
     if not plan.instances or loop.short(planned):  # the round closest to every target
         if _closer(best[0], best[1], (plan, planned, headroom), fleet):
             plan, planned, headroom = best[0], best[1], dict(best[2])
+    kept: set[str] = set()  # models whose last give-back put a model below target
     while not stop and plan.instances and not loop.short(planned):  # give back spare headroom
         if rounds == 0:
             stop = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
             break
-        given = _give_back_that_changes(plan, headroom, planned, fleet, loop)
+        given = _give_back_that_changes(plan, headroom, planned, fleet, loop, kept)
         if given is None:
-            stop = "every model meets its target, and giving capacity back changed no instance"
+            stop = "every model meets its target, and giving capacity back to any model " + (
+                "changed no instance or put one below its target" if kept else "changed no instance"
+            )
             break
+        more, candidate, model = given
         rounds -= 1
-        relaxed, relaxed_planned, _ = loop.run(*given)
+        relaxed, relaxed_planned, _ = loop.run(more, candidate)
         if loop.short(relaxed_planned):
-            stop = "giving capacity back put a model below its target: kept the round before"
-            break
-        plan, planned, headroom = relaxed, relaxed_planned, given[0]
+            kept.add(model)  # keep the round before, and give back elsewhere
+            continue
+        plan, planned, headroom = relaxed, relaxed_planned, more
     if loop.progress and stop:
         loop.progress(f"stopped after round {loop.count - 1}: {stop}")
     return _verified(plan, fleet, perf, planned, headroom, root, stop)
@@ -250,15 +254,23 @@ def _give_back_that_changes(
     planned: dict[str, float],
     fleet: FleetConfig,
     loop: _Loop,
-) -> tuple[dict[Job, float], Plan] | None:
-    """Headroom given back to the models well above target (`_relaxed`, repeated up to
-    MAX_HEADROOM) until the plan drops an instance, and that plan; None when it never does."""
-    before, trial = _fleet_keys(plan), headroom
-    while (more := _relaxed(trial, planned, fleet)) is not None:
-        trial = more
-        candidate = loop.solve(_scaled(loop.base, trial))
-        if _fleet_keys(candidate) != before:
-            return trial, candidate
+    kept: set[str],
+) -> tuple[dict[Job, float], Plan, str] | None:
+    """Headroom given back to one model well above target (the one furthest above first; not
+    those in `kept`), repeated (`_relaxed`, up to MAX_HEADROOM) until the plan drops an
+    instance: that headroom, plan and model; None when no model's give-back changes the plan.
+    One model at a time, so one model's give-back that misses does not cost the others'."""
+    before = _fleet_keys(plan)
+    targets = {m: fleet.models[m].slo_attainment for m in planned}
+    for model in sorted(planned, key=lambda m: targets[m] - planned[m]):
+        if model in kept:
+            continue
+        trial = headroom
+        while (more := _relaxed(trial, planned, fleet, only=model)) is not None:
+            trial = more
+            candidate = loop.solve(_scaled(loop.base, trial))
+            if _fleet_keys(candidate) != before:
+                return trial, candidate, model
     return None
 
 
@@ -333,14 +345,20 @@ def _fleet_keys(plan: Plan) -> dict[str, tuple[object, ...]]:
 
 
 def _relaxed(
-    headroom: dict[Job, float], planned: dict[str, float], fleet: FleetConfig
+    headroom: dict[Job, float],
+    planned: dict[str, float],
+    fleet: FleetConfig,
+    only: str | None = None,
 ) -> dict[Job, float] | None:
-    """Headroom given back to the models well above target (None: nothing to give back).
+    """Headroom given back to the models well above target (`only` that one; None: nothing to
+    give back).
 
     The correction may exceed 1 (up to MAX_HEADROOM): the capacity model is pessimistic where a
     pool of many instances smooths bursts that one instance would see whole."""
     trial = dict(headroom)
     for (model, phase), k in headroom.items():
+        if only is not None and model != only:
+            continue
         surplus = planned.get(model, 0.0) - fleet.models[model].slo_attainment - MARGIN
         if k < MAX_HEADROOM and surplus > RELAX_SURPLUS:
             trial[(model, phase)] = min(MAX_HEADROOM, k * (1.0 + min(0.25, 2.0 * surplus)))

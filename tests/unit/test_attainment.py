@@ -244,3 +244,46 @@ def test_a_cut_that_whole_instances_absorb_compounds_until_the_plan_changes():
         is None
     )
     assert min(never.solved) < attainment.MIN_HEADROOM
+
+
+def test_capacity_is_given_back_one_model_at_a_time():
+    """Regression: giving back to every model above target at once put paper-core's
+    gpt-oss-20b under its target, and the loop kept the dearer round (52.92 $/h) where giving
+    back to qwen3-32b alone was 49.23. One model per round, the one furthest above first; a
+    model whose give-back misses is left out of the next tries."""
+    from types import SimpleNamespace
+
+    from tests.allocation_helpers import fleet
+
+    f = fleet()
+    headroom = {("phi-4", "decode"): 1.0, ("gpt-oss-20b", "decode"): 1.0}
+    planned = {"phi-4": 0.97, "gpt-oss-20b": 0.95}
+
+    def plan_with(n: int):
+        inst = SimpleNamespace(model="phi-4", phase="decode", template="l4x1")
+        return SimpleNamespace(instances=[inst] * n, served_fraction=1.0)
+
+    solved: list[dict[str, float]] = []
+
+    def solve(factors):
+        solved.append(factors)
+        fewer = factors["phi-4/decode/l4x1"] > 0.5 or factors["gpt-oss-20b/decode/l4x1"] > 0.5
+        return plan_with(1 if fewer else 2)
+
+    loop = SimpleNamespace(
+        base={"phi-4/decode/l4x1": 0.45, "gpt-oss-20b/decode/l4x1": 0.45}, solve=solve
+    )
+    given = attainment._give_back_that_changes(plan_with(2), headroom, planned, f, loop, set())
+    assert given is not None
+    more, plan, model = given
+    assert model == "phi-4" and more[("phi-4", "decode")] > 1.0
+    assert more[("gpt-oss-20b", "decode")] == 1.0 and len(plan.instances) == 1
+    given = attainment._give_back_that_changes(plan_with(2), headroom, planned, f, loop, {"phi-4"})
+    assert given is not None and given[2] == "gpt-oss-20b"
+    assert given[0][("phi-4", "decode")] == 1.0
+    assert (
+        attainment._give_back_that_changes(
+            plan_with(2), headroom, planned, f, loop, {"phi-4", "gpt-oss-20b"}
+        )
+        is None
+    )
