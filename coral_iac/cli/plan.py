@@ -89,10 +89,11 @@ def plan(
         )
     if out_file is not None and out_file.is_dir():  # before minutes of planning, not after
         raise InputError(str(out_file), "is a folder", "give a file path, e.g. plan.json")
-    result = make_plan(stack, baseline or "coral", previous, library, workers, add_only, force)
+    result, problems = make_plan(
+        stack, baseline or "coral", previous, library, workers, add_only, force
+    )
     if (line := gap_warning(result)) is not None:
         warn(line)
-    problems = deploy_problems_of(result, stack)
     failed = result.served_fraction < 1 or bool(result.below_target())
     # A zero-served plan, or one failing --strict, never replaces the running plan in --out.
     write = out_file is not None and not (strict and failed) and result.served_fraction > 0
@@ -128,13 +129,15 @@ def make_plan(
     workers: int,
     add_only: bool = False,
     force: bool = False,
-) -> Any:
-    """Load the stack, its libraries and the running plan; solve; validate; return the plan.
+) -> tuple[Any, list[str]]:
+    """Load the stack, its libraries and the running plan; solve; validate; return the plan and
+    why the Pulumi program would refuse it (empty: it deploys).
 
     `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
     """
     from coral_iac.cli.deploy import check_plan_stack
     from coral_iac.demand_sources import resolve_demand
+    from coral_iac.deployable import deploy_problems
     from solver.catalog.vllm_support import check_deployable_gpus
     from solver.performance.default_model import load_perf_model
     from solver.plan.planner import plan_with_library
@@ -163,7 +166,7 @@ def make_plan(
                 tasks[job] = bar.add_task(f"templates {job[0]} {job[1]}", total=total)
             bar.update(tasks[job], completed=done)
 
-        return plan_with_library(
+        result = plan_with_library(
             stack,
             fleet,
             perf,
@@ -176,6 +179,7 @@ def make_plan(
             on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
             force=force,
         )
+    return result, deploy_problems(result, fleet, perf.catalog)
 
 
 def load_plan(path: Path) -> Any:
@@ -198,14 +202,6 @@ def load_plan(path: Path) -> Any:
             str(path), f"not JSON: {e}", "pass a plan.json written by `coral plan --out`"
         ) from e
     return parse_model(Plan, data, str(path))
-
-
-def deploy_problems_of(p: Any, stack: str) -> list[str]:
-    """Why the Pulumi program would refuse the plan for this stack (empty: it deploys)."""
-    from coral_iac.deployable import deploy_problems
-    from solver.performance.default_model import load_perf_model
-
-    return deploy_problems(p, load_stack_named(stack), load_perf_model().catalog)
 
 
 def show_deployable(problems: list[str]) -> None:

@@ -163,9 +163,10 @@ def plan_to_target(
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
     best = (plan, planned, dict(headroom))
     stop = _initial_stop(plan, rounds)
+    out_of_rounds = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
     while not stop and (short := loop.short(planned)):
         if rounds == 0:
-            stop = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
+            stop = out_of_rounds
             break
         rounds -= 1
         cut = _cut_that_changes(plan, headroom, short, sims, fleet, loop)
@@ -188,7 +189,7 @@ def plan_to_target(
     kept: set[str] = set()  # models whose last give-back put a model below target
     while not stop and plan.instances and not loop.short(planned):  # give back spare headroom
         if rounds == 0:
-            stop = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
+            stop = out_of_rounds
             break
         given = _give_back_that_changes(plan, headroom, planned, fleet, loop, kept)
         if given is None:

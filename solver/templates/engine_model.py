@@ -24,10 +24,10 @@ TPOT = S light / (1 - lambda E[rounds] S (heavy - light)), with light and heavy 
 (a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
 TPOT per output length (while a request of O tokens decodes, Poisson(lambda (O - 1) TPOT)
 prompts arrive, each making a run of its rounds heavy, each round at its own piece and its own
-length's attention: short outputs are the ones one long prompt pushes over) times TTFT per prompt length (half a light pass to join, a wait for a
-micro-batch with room, each of the S holding one prompt for its rounds: M/G/S by Sakasegawa's
-approximation, Kingman's for S = 1, with an exponential tail; and its own rounds, each as heavy
-as its own piece).
+length's attention: short outputs are the ones one long prompt pushes over) times TTFT per
+prompt length (half a light pass to join, a wait for a micro-batch with room, each of the S
+holding one prompt for its rounds: M/G/S by Sakasegawa's approximation, Kingman's for S = 1,
+with an exponential tail; and its own rounds, each as heavy as its own piece).
 """
 
 from __future__ import annotations
