@@ -44,7 +44,8 @@ def cost_diff_table(
     total = plan.hourly_cost_usd + extra
     delta = diff["hourly_cost_delta_usd"] + extra - before
     table = Table(
-        title=f"Coral plan: {total:,.2f} $/hour ({delta:+,.2f}), served {plan.served_fraction:.1%}"
+        title=f"Coral plan: {total:,.2f} $/hour ({delta:+,.2f}), served "
+        + (f"{plan.served_fraction:.1%}" if plan.served_fraction >= 1 else plan.short_words())
     )
     for col in ("model", "$/hour before", "$/hour after", "added", "removed"):
         table.add_column(col, justify="left" if col == "model" else "right")

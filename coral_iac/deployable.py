@@ -43,11 +43,11 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
     budget = fleet.allocation.budget_usd_per_hour
     if budget is not None and any(line.startswith("budget") for line in plan.binding):
         problems.append(
-            f"the plan exceeds the budget: {budget} $/hour serves only "
-            f"{plan.served_fraction:.1%} of demand; raise coral:fleet.allocation."
-            "budget_usd_per_hour or lower demand"
+            f"the plan exceeds the budget: {budget} $/hour serves only part of the demand "
+            f"({plan.short_words()}); raise coral:fleet.allocation.budget_usd_per_hour or "
+            "lower demand"
         )
-    if plan.served_fraction == 0 and plan.jobs:
+    if not plan.serves_any() and plan.jobs:
         problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
     if not fleet.attainment.accept_below_target:
         for a in plan.below_target():

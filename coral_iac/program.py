@@ -394,7 +394,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         pulumi.log.warn(line)
     if plan.served_fraction < 1:
         pulumi.log.warn(
-            f"scarce: the plan serves {plan.served_fraction:.1%} of every model's demand. "
+            f"scarce: the plan serves part of the demand ({plan.short_words()}). "
             + " ".join(f"Limited by: {line}." for line in plan.binding)
         )
     states = {key: m.state for key, m in state.members.items()}
@@ -421,6 +421,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         "gateway_cost": gateway_usd.model_dump(mode="json") if gateway_usd else None,
         "cost_by_model": plan.cost_by_model,
         "served_fraction": plan.served_fraction,
+        "served_fractions": plan.served_fractions,
         "instances_by_region": by_region,
         "endpoints": endpoints,
         **gateway,  # gateway, gateway_endpoints

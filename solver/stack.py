@@ -127,6 +127,12 @@ class ModelSpec(BaseModel):
         "scaled to the demand and its lengths to the mean lengths above. Default: generated "
         "requests shaped like `workload`.",
     )
+    priority: int = Field(
+        default=0,
+        description="Under scarcity (demand the availability or budget cannot meet), models of "
+        "a higher priority are served first; within a priority the least served fraction is "
+        "made as large as it can be, then the total. Equal (0) by default.",
+    )
     length_routing: LengthRouting | None = Field(
         default=None,
         description="Route requests by prompt length to buckets of their own instances "

@@ -96,7 +96,7 @@ def plan(
         warn(line)
     failed = result.served_fraction < 1 or bool(result.below_target())
     # A zero-served plan, or one failing --strict, never replaces the running plan in --out.
-    write = out_file is not None and not (strict and failed) and result.served_fraction > 0
+    write = out_file is not None and not (strict and failed) and result.serves_any()
     if write:
         from solver.io import write_atomic
 
@@ -243,7 +243,8 @@ def plan_json(p: Any) -> dict[str, Any]:
 def show_plan(p: Any) -> None:
     title = (
         f"Plan {p.stack} ({p.method}, mode {p.mode}): {p.hourly_cost_usd:,.2f} $/hour, "
-        f"{len(p.instances)} instances, served {100 * p.served_fraction:.1f}%"
+        f"{len(p.instances)} instances, served "
+        + (f"{100 * p.served_fraction:.1f}%" if p.served_fraction >= 1 else p.short_words())
     )
     table = Table(title=title)
     for col in (

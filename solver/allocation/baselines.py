@@ -9,9 +9,11 @@
   - `colocate_phases`: a disaggregated model buys region by region, opening a region only with
     room for at least one prefill and one decode instance there (regions already open are
     filled first, so an extra partner instance is bought only when no open region has room);
-  - the budget, and demand it cannot meet: demand is scaled down uniformly until Homo serves
-    all of it within the budget (bisection, as the paper does), and the plan's `binding` says
-    which of availability, GPU pools, colocation or the budget stopped it.
+  - the budget, and demand it cannot meet: each model's demand is scaled down by the rule
+    Coral's ILP follows (max-min fair across models, then the most it can; `scale_fairly`)
+    until Homo serves all of it within the budget, and the plan's `binding` says which of
+    availability, GPU pools, colocation or the budget stopped it. (The paper scales every
+    model alike, so one model it cannot serve left it serving nothing.)
 - Cauchy-like: disaggregated, so prefill and decode may use different node configs, but each
   phase's replicas are homogeneous. It uses Coral's allocation ILP restricted to those
   templates, so one prefill replica may feed several decode replicas, costs are optimised
@@ -21,15 +23,15 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from solver.allocation.problem import Column, Solution
+from solver.allocation.problem import Column, Solution, per_model, priority_tiers
 from solver.catalog.market import Market, RegionId, region_name
 from solver.stack import FleetConfig
 from solver.types import Job
 
 EPS = 1e-9
-BISECTION_STEPS = 30
 Options = list[tuple[int, Column]]  # (column index, column)
 ByConfig = dict[str, dict[Job, Options]]  # node config -> job -> its homogeneous columns
 
@@ -47,46 +49,92 @@ def cauchy_columns(columns: list[Column]) -> list[Column]:
 def homo_solution(
     fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
 ) -> Solution:
-    """Greedy Homo allocation (see module doc) at the largest uniform fraction of demand it can
-    fully serve within the budget: like the paper, demand is scaled down until the method
-    meets it (bisection).
+    """Greedy Homo allocation (see module doc) at the largest fractions of each model's demand
+    it can fully serve within the budget, chosen by Coral's rule (`scale_fairly`).
 
     Args:
-        fleet: the stack (model order, `allocation.colocate_phases` and the budget).
+        fleet: the stack (model order and priorities, `allocation.colocate_phases`, the budget).
         market: prices, availability and GPU pools.
         demand: capacity to buy per (model, phase), at a served fraction of 1.
         columns: every (template, region) column; Homo uses the homogeneous ones.
 
     Returns:
-        Instance counts per column, the served fraction (floored to 0.01%, never above what
-        the counts serve) and, when below 1, the binding constraints in words.
+        Instance counts per column, the served fraction per model (floored to 0.01%, never
+        above what the counts serve) and, when one is below 1, the binding constraints in words.
     """
     budget = fleet.allocation.budget_usd_per_hour
     full = _homo_greedy(fleet, market, demand, columns)
     if full.fraction >= 1 and _within(full, columns, budget):
         return full
-    lo, hi, best = 0.0, 1.0, None
-    for _ in range(BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        trial = _homo_greedy(fleet, market, {j: d * mid for j, d in demand.items()}, columns)
-        if trial.fraction >= 1 and _within(trial, columns, budget):
-            lo, best = mid, trial
-        else:
-            hi = mid
+    fractions, best = scale_fairly(
+        lambda d: _homo_greedy(fleet, market, d, columns),
+        demand,
+        lambda s: s.fraction >= 1 and _within(s, columns, budget),
+        priorities(fleet),
+    )
     binding = list(full.binding)
     if budget is not None and not _within(full, columns, budget):
         binding.append(
-            f"budget: {budget} $/hour lets Homo serve {lo:.1%} of demand; it needs "
-            f"{_cost(full, columns):.2f} $/hour to serve {full.fraction:.1%}; raise "
-            f"coral:fleet.allocation.budget_usd_per_hour"
+            f"budget: {budget} $/hour lets Homo serve {min(fractions.values()):.1%} of a model's "
+            f"demand at least; it needs {_cost(full, columns):.2f} $/hour to serve "
+            f"{full.fraction:.1%}; raise coral:fleet.allocation.budget_usd_per_hour"
         )
-    if best is None:
-        # Not even a sliver of every job fits: the unscaled pass if it is affordable, else none.
-        if _within(full, columns, budget):
-            return full
-        return Solution({}, 0.0, None, binding)
-    # Floor, not round: the reported fraction must never exceed what the counts serve.
-    return Solution(best.counts, math.floor(lo * 10_000) / 10_000, None, binding)
+    return Solution(best.counts, fractions, None, binding)
+
+
+def priorities(fleet: FleetConfig) -> dict[str, int]:
+    """Each model's `priority` in the stack."""
+    return {m: spec.priority for m, spec in fleet.models.items()}
+
+
+FAIR_STEPS = 14  # bisection steps of a baseline's common fraction: to 1/16384
+RAISE = 0.005  # a model is held at the common fraction when 0.5% more no longer fits
+
+
+def scale_fairly(
+    run: Callable[[dict[Job, float]], Solution],
+    demand: dict[Job, float],
+    fits: Callable[[Solution], bool],
+    priorities: dict[str, int],
+) -> tuple[dict[str, float], Solution]:
+    """A greedy baseline judged by Coral's rule: the fraction of each model's demand it serves
+    in full (`fits`), max-min fair within each priority tier (highest first), then as much
+    more as it can. Progressive filling: the largest common fraction of the tier's models not
+    yet held (bisection), then the ones that cannot take `RAISE` more alone are held there and
+    the rest go on from it. A model no fraction of which fits stays at 0 and buys nothing.
+
+    Returns:
+        The fraction per model (floored to 0.01%) and the greedy's run at those fractions.
+    """
+    models = sorted({j[0] for j, d in demand.items() if d > 0})
+
+    def at(fractions: dict[str, float]) -> Solution:
+        return run({j: d * fractions.get(j[0], 0.0) for j, d in demand.items()})
+
+    def ok(held: dict[str, float], active: set[str], t: float, raised: str | None = None) -> bool:
+        """Whether the greedy serves `held`, the `active` models at `t` (`raised` at t + RAISE)."""
+        trial = held | dict.fromkeys(active, t)
+        if raised is not None:
+            trial[raised] = min(1.0, t + RAISE)
+        return fits(at(trial))
+
+    held: dict[str, float] = {}
+    for tier in priority_tiers(models, priorities):
+        active, lo = set(tier), 0.0
+        while active:
+            hi = 1.0
+            if ok(held, active, 1.0):
+                lo = 1.0
+            else:
+                for _ in range(FAIR_STEPS):
+                    mid = (lo + hi) / 2
+                    lo, hi = (mid, hi) if ok(held, active, mid) else (lo, mid)
+            t = math.floor(lo * 10_000) / 10_000
+            stuck = {m for m in active if t >= 1 or not ok(held, active, t, m)} or set(active)
+            held |= dict.fromkeys(stuck, t)
+            active -= stuck
+            lo = t
+    return held, at(held)
 
 
 def _cost(solution: Solution, columns: list[Column]) -> float:
@@ -153,13 +201,12 @@ def _homo_greedy(
                     _buy(stock, _by_efficiency(by_config[cfg].get(job, [])), job, need)
         for job in jobs:
             served[job] = min(1.0, 1 - max(need[job], 0.0) / demand[job])
-    fraction = min(served.values(), default=1.0)
     binding = [
         _shortage(job, f, stock, [c for _, c in homo if c.job == job])
         for job, f in sorted(served.items())
         if f < 1 - EPS
     ]
-    return Solution(dict(stock.counts), fraction, None, binding)
+    return Solution(dict(stock.counts), per_model(served), None, binding)
 
 
 def _by_efficiency(options: Options) -> Options:

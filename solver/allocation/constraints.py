@@ -7,8 +7,8 @@ Notation (shared by `objective` and `explain`):
 - P[r,g]: GPUs of type g in region r's pool, where one is set; n_g(c): GPUs per node of c;
 - T(t): an instance's throughput; D[m]: demand of job m = (model, phase), in T's unit;
 - p[r,t]: $/hour of one instance; B: the budget; K: the start-up penalty (boot / interval);
-- nu0[r,t]: the running plan; phi: the served fraction, an integer in steps of
-  1 / FRACTION_STEPS (or a fixed fraction f).
+- nu0[r,t]: the running plan; phi[m]: the fraction of model m's demand served, an integer in
+  steps of 1 / FRACTION_STEPS (or a fixed fraction f of every model's).
 
 Every constraint is named after its family and index (``avail[aws:us-east-2,l4x1]``), so an
 exported model (`solver.ExportModelAsLpFormat`) reads like this list.
@@ -16,6 +16,7 @@ exported model (`solver.ExportModelAsLpFormat`) reads like this list.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from ortools.linear_solver import pywraplp
@@ -105,10 +106,15 @@ def add_gpu_pools(
 
 
 def add_demand(
-    solver: pywraplp.Solver, problem: Problem, nu: list[Any], phi: Any | None, fraction: float
+    solver: pywraplp.Solver,
+    problem: Problem,
+    nu: list[Any],
+    phi: Mapping[str, Any] | None,
+    fraction: float,
 ) -> None:
-    """Demand, for every job m with D[m] > 0: sum_{r, t of m} T(t) nu[r,t] >= D[m] phi /
-    FRACTION_STEPS when phi is a variable (the most-served solve), else >= D[m] f."""
+    """Demand, for every job (model, phase) with D > 0: sum_{r, t of the job} T(t) nu[r,t] >=
+    D phi[model] / FRACTION_STEPS when phi holds a variable per model (the most-served solves),
+    else >= D f."""
     by_job: dict[Job, list[int]] = {}
     for i, c in enumerate(problem.columns):
         by_job.setdefault(c.job, []).append(i)
@@ -118,7 +124,7 @@ def add_demand(
         supply = solver.Sum(
             [problem.columns[i].template.throughput * nu[i] for i in by_job.get(job, [])]
         )
-        need = (d / FRACTION_STEPS) * phi if phi is not None else d * fraction
+        need = (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
         solver.Add(supply >= need, name=f"demand[{job[0]}/{job[1]}]")
 
 

@@ -169,7 +169,7 @@ def solve_part(problem: Problem, jobs: tuple[Job, ...], fraction: float) -> Part
     upper = None if start is None else objective_of(sub, start)
     kept = list(range(len(index))) if upper is None else reduce_columns(sub, upper, None, fraction)
     small = replace(sub, columns=[sub.columns[k] for k in kept])
-    model = IlpModel(small, maximise_fraction=False, min_fraction=fraction)
+    model = IlpModel(small, min_fraction=fraction)
     if start is not None:
         where = {k: pos for pos, k in enumerate(kept)}
         model.hint_from({where[k]: n for k, n in start.items() if n})

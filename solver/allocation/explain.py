@@ -22,13 +22,15 @@ class MostServed:
     unbudgeted_steps: int | None  # None: the stack sets no budget
 
 
-def binding(problem: Problem, solved: MostServed) -> list[str]:
-    """Constraints at their limit in the most-served solution, each as an actionable line."""
+def binding(problem: Problem, solved: MostServed, whole: Problem | None = None) -> list[str]:
+    """Constraints at their limit in the most-served solution of `problem`, each as an
+    actionable line; jobs short even alone are judged on `whole` (default `problem`), the
+    problem before columns that could never serve were dropped."""
     out = [
         *_full_slots(problem, solved),
         *_full_pools(solved),
         *_budget(problem, solved),
-        *_short_alone(problem),
+        *_short_alone(whole or problem),
     ]
     return out or [_no_common_instance(problem)]
 
@@ -124,6 +126,5 @@ def _no_common_instance(problem: Problem) -> str:
     )
     return (
         f"the available nodes cannot give all {len(jobs)} (model, phase) pairs one instance "
-        f"each at the same time (the served fraction is uniform, so one unserved pair means "
-        f"0%). Node configs each can use: {options}. Raise their availability"
+        f"each at the same time. Node configs each can use: {options}. Raise their availability"
     )

@@ -1,13 +1,16 @@
 """The allocation ILP on an OR-Tools backend: the model over a problem's columns, and a solve.
 
-`IlpModel` builds the formulation of `constraints` and `objective` (cost, or with
-`maximise_fraction` the served fraction phi) and solves it within the stack's limits.
+`IlpModel` builds the formulation of `constraints` and `objective` (cost, or with a `Fairness`
+the served fractions phi[m]) and solves it within the stack's limits.
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
 
 from ortools.linear_solver import pywraplp
 
@@ -48,18 +51,39 @@ def new_solver(backend: str) -> pywraplp.Solver:
     return solver
 
 
-class IlpModel:
-    """The ILP over a problem's columns, with demand scaled by phi (fixed or a variable)."""
+@dataclass(frozen=True)
+class Fairness:
+    """What a most-served solve maximises. Every model keeps at least its `floors` (in
+    FRACTION_STEPS); then either the least fraction of the `active` models (max-min), or, with
+    `total`, the sum of the active models' fractions (the most served once the least is set)."""
 
-    def __init__(self, problem: Problem, maximise_fraction: bool, min_fraction: float) -> None:
+    floors: Mapping[str, int] = field(default_factory=dict)
+    active: frozenset[str] = frozenset()
+    total: bool = False
+
+
+class IlpModel:
+    """The ILP over a problem's columns: the cheapest plan serving a fixed fraction of every
+    model's demand, or (`fairness` given) a most-served solve with a fraction phi[m] per model."""
+
+    def __init__(
+        self, problem: Problem, min_fraction: float = 1.0, fairness: Fairness | None = None
+    ) -> None:
         s = problem.settings
         self.problem = problem
+        self.fairness = fairness
         self.solver = solver = new_solver(s.backend)
         self.nu = instance_counts(solver, problem)
         use = node_usage(problem)
         self.slot_rows = add_availability(solver, problem, self.nu, use)
         self.pool_rows = add_gpu_pools(solver, problem, self.nu, use)
-        self.phi = solver.IntVar(0, FRACTION_STEPS, "phi") if maximise_fraction else None
+        self.phi: dict[str, Any] | None = None
+        self.least: Any = None
+        if fairness is not None:
+            self.phi = {
+                m: solver.IntVar(fairness.floors.get(m, 0), FRACTION_STEPS, f"phi[{m}]")
+                for m in served_models(problem)
+            }
         add_demand(solver, problem, self.nu, self.phi, min_fraction)
         if s.colocate_phases:
             add_colocation(solver, problem, self.nu)
@@ -68,8 +92,18 @@ class IlpModel:
         self.cost = hourly_cost(solver, problem, self.nu)
         if s.budget_usd_per_hour is not None:
             add_budget(solver, self.cost, s.budget_usd_per_hour)
-        if self.phi is not None:
-            solver.Maximize(self.phi)
+        if fairness is not None and self.phi is not None:
+            active = [self.phi[m] for m in sorted(fairness.active & self.phi.keys())]
+            # Cost breaks ties only: all of it weighs less than one step of a fraction, so the
+            # most-served plan buys nothing that serves nothing (a 70B's prefill alone).
+            tie = 0.5 / (1.0 + market_cost(problem))
+            if fairness.total:
+                solver.Maximize(solver.Sum(active) - tie * self.cost)
+                return
+            self.least = solver.IntVar(0, FRACTION_STEPS, "least")
+            for var in active:
+                solver.Add(var >= self.least)
+            solver.Maximize(self.least - tie * self.cost)
             return
         self.penalty = startup_penalty(solver, problem, self.nu)
         solver.Minimize(self.cost + self.penalty)
@@ -77,24 +111,25 @@ class IlpModel:
     def hint_from(self, counts: dict[int, int] | None) -> None:
         """Give the solver a feasible starting plan (SCIP and CP-SAT; OR-Tools 9.15's HiGHS
         interface crashed with a hint, so HiGHS starts cold). A most-served model also gets
-        the plan's served fraction, so the hint is a complete solution."""
+        the plan's served fractions, so the hint is a complete solution."""
         if not counts or self.problem.settings.backend == "highs":
             return
         variables = list(self.nu)
         values = [float(counts.get(i, 0)) for i in range(len(self.nu))]
         if self.phi is not None:
-            variables.append(self.phi)
-            values.append(float(self._served_steps(counts)))
+            steps = served_steps(self.problem, counts)
+            for m, var in sorted(self.phi.items()):
+                variables.append(var)
+                values.append(float(steps.get(m, 0)))
+            if self.least is not None and self.fairness is not None:
+                variables.append(self.least)
+                values.append(float(min((steps.get(m, 0) for m in self.fairness.active), default=0)))
         self.solver.SetHint(variables, values)
 
-    def _served_steps(self, counts: dict[int, int]) -> int:
-        """The largest phi (in FRACTION_STEPS) that `counts` serves for every job."""
-        have: dict[Job, float] = {}
-        for i, n in counts.items():
-            job = self.problem.columns[i].job
-            have[job] = have.get(job, 0.0) + n * self.problem.columns[i].template.throughput
-        ratios = [have.get(j, 0.0) / d for j, d in self.problem.demand.items() if d > 0]
-        return max(0, min(FRACTION_STEPS, math.floor(min(ratios, default=1.0) * FRACTION_STEPS)))
+    def fractions(self) -> dict[str, int]:
+        """A solved most-served model's phi per model, in FRACTION_STEPS."""
+        assert self.phi is not None
+        return {m: round(v.solution_value()) for m, v in self.phi.items()}
 
     def solve(self, relative_gap: float | None = None) -> tuple[int, float]:
         """Solve within the stack's time limit, to `relative_gap` (default: the stack's).
@@ -133,4 +168,31 @@ def values(model: IlpModel) -> dict[int, int]:
     """Column index -> instances of a solved model, the columns it runs only."""
     return {
         i: round(v.solution_value()) for i, v in enumerate(model.nu) if v.solution_value() > 0.5
+    }
+
+
+def market_cost(problem: Problem) -> float:
+    """$/hour of every available node of the market: more than any plan can cost."""
+    m = problem.market
+    return sum(m.price[slot] * max(0, n) for slot, n in m.available.items() if slot in m.price)
+
+
+def served_models(problem: Problem) -> list[str]:
+    """The models with demand, sorted."""
+    return sorted({job[0] for job, d in problem.demand.items() if d > 0})
+
+
+def served_steps(problem: Problem, counts: dict[int, int]) -> dict[str, int]:
+    """Per model with demand, the largest fraction (in FRACTION_STEPS) of every one of its
+    jobs' demand that `counts` serves."""
+    have: dict[Job, float] = {}
+    for i, n in counts.items():
+        job = problem.columns[i].job
+        have[job] = have.get(job, 0.0) + n * problem.columns[i].template.throughput
+    least: dict[str, float] = {}
+    for job, d in problem.demand.items():
+        if d > 0:
+            least[job[0]] = min(least.get(job[0], 1.0), have.get(job, 0.0) / d)
+    return {
+        m: max(0, min(FRACTION_STEPS, math.floor(r * FRACTION_STEPS))) for m, r in least.items()
     }

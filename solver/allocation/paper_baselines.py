@@ -15,18 +15,17 @@ per replica" (extended) describe. Labelled `homo-paper` and `cauchy-paper` in pl
   feeds several decode replicas (the counts are free per phase). Cauchy's cost-efficiency model
   replaces Coral's ILP: no joint cost optimisation across models or phases.
 
-Both scale demand down uniformly (bisection) until they serve all of it within the budget and
-availability, as the paper does under scarcity.
+Under scarcity both scale each model's demand down by Coral's rule (max-min fair across models,
+then the most they can; `baselines.scale_fairly`) until they serve all of it within the budget
+and availability; the paper scales every model alike.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal
 
 from solver.allocation.baselines import (
-    BISECTION_STEPS,
     EPS,
     Options,
     _buy,
@@ -34,8 +33,10 @@ from solver.allocation.baselines import (
     _shortage,
     _Stock,
     homo_solution,
+    priorities,
+    scale_fairly,
 )
-from solver.allocation.problem import Column, Solution
+from solver.allocation.problem import Column, Solution, per_model
 from solver.catalog.market import Market
 from solver.errors import InputError
 from solver.stack import FleetConfig
@@ -98,11 +99,12 @@ def scaled_to_fit(
     demand: dict[Job, float],
     columns: list[Column],
 ) -> Solution:
-    """`greedy` at the largest uniform fraction of demand it fully serves within the budget.
+    """`greedy` at the largest fractions of each model's demand it fully serves within the
+    budget, chosen by Coral's rule (`scale_fairly`).
 
     Returns:
-        The greedy's counts at that fraction (floored to 0.01%), and the unscaled pass's
-        binding constraints when the fraction is below 1.
+        The greedy's counts at those fractions (floored to 0.01%), and the unscaled pass's
+        binding constraints when a fraction is below 1.
     """
     budget = fleet.allocation.budget_usd_per_hour
 
@@ -113,21 +115,17 @@ def scaled_to_fit(
     full = greedy(fleet, market, demand, columns)
     if fits(full):
         return full
-    lo, best = 0.0, None
-    hi = 1.0
-    for _ in range(BISECTION_STEPS):
-        mid = (lo + hi) / 2
-        trial = greedy(fleet, market, {j: d * mid for j, d in demand.items()}, columns)
-        lo, hi, best = (mid, hi, trial) if fits(trial) else (lo, mid, best)
+    fractions, best = scale_fairly(
+        lambda d: greedy(fleet, market, d, columns), demand, fits, priorities(fleet)
+    )
     binding = list(full.binding)
     if budget is not None:
         binding.append(
-            f"budget: {budget} $/hour (or availability) lets the baseline serve {lo:.1%} of "
-            "demand; raise coral:fleet.allocation.budget_usd_per_hour or availability"
+            f"budget: {budget} $/hour (or availability) lets the baseline serve "
+            f"{min(fractions.values()):.1%} of a model's demand at least; raise "
+            "coral:fleet.allocation.budget_usd_per_hour or availability"
         )
-    if best is None:
-        return Solution({}, 0.0, None, binding)
-    return Solution(best.counts, math.floor(lo * 10_000) / 10_000, None, binding)
+    return Solution(best.counts, fractions, None, binding)
 
 
 def _cauchy_greedy(
@@ -150,7 +148,7 @@ def _cauchy_greedy(
         for job, f in sorted(served.items())
         if f < 1 - EPS
     ]
-    return Solution(dict(stock.counts), min(served.values(), default=1.0), None, binding)
+    return Solution(dict(stock.counts), per_model(served), None, binding)
 
 
 def _by_config(options: Options) -> dict[str, Options]:

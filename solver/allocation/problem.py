@@ -11,7 +11,7 @@ from solver.catalog.market import Market, RegionId
 from solver.plan.schema import SolverReport
 from solver.stack import AllocationSettings
 from solver.templates.serving_template import ServingTemplate
-from solver.types import Job
+from solver.types import BUCKET_SEP, Job
 
 RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, template key)
 
@@ -38,15 +38,39 @@ class Problem:
     market: Market
     settings: AllocationSettings
     running: dict[RunningKey, int] = field(default_factory=dict)  # nu0
+    # Under scarcity, higher-priority models are served first (model -> priority, default 0).
+    priorities: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
 class Solution:
     counts: dict[int, int]  # column index -> instances
-    fraction: float
+    fractions: dict[str, float]  # model -> served fraction of its demand (1 when served in full)
     report: SolverReport | None  # None for the greedy baseline
     binding: list[str]
     columns: tuple[int, int] = (0, 0)  # (before, after) reduction, summed over the solves
+
+    @property
+    def fraction(self) -> float:
+        """The least served fraction of any model (1 when every model is served in full)."""
+        return min(self.fractions.values(), default=1.0)
+
+
+def per_model(served: dict[Job, float]) -> dict[str, float]:
+    """Each model's served fraction: the least over its jobs (model, phase)."""
+    out: dict[str, float] = {}
+    for (model, _), f in served.items():
+        out[model] = min(out.get(model, 1.0), f)
+    return out
+
+
+def priority_tiers(models: list[str], priorities: dict[str, int]) -> list[frozenset[str]]:
+    """`models` grouped by priority (default 0), highest first. A length bucket
+    (``<model>@b<i>``) takes its model's priority."""
+    by: dict[int, set[str]] = {}
+    for m in models:
+        by.setdefault(priorities.get(m.split(BUCKET_SEP)[0], 0), set()).add(m)
+    return [frozenset(by[p]) for p in sorted(by, reverse=True)]
 
 
 def make_columns(

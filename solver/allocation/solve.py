@@ -7,10 +7,12 @@ penalty I[r, t] >= K p[r, t] (nu - nu0) against the running plan nu0, so only sc
 Solved with OR-Tools (CP-SAT, SCIP or HiGHS, a stack setting; `model`), part by part first
 (`decompose`), on the columns `reduction` keeps; docs/allocation.md has the measurements.
 
-Scarcity: when demand cannot be met, a first solve finds the largest fraction phi of every
-model's demand that can be served (uniform across models, as the paper does); a second finds the
-cheapest plan serving phi. Saturated constraints of the first solve are reported in words
-(`explain`).
+Scarcity: when demand cannot be met, most-served solves choose a fraction phi[m] of each model's
+demand (`_most_served`): max-min fair first (the least fraction as large as it can be), then the
+most served in total (the sum of the fractions), priority tier by priority tier (the stack's
+`priority`, highest first). So a model that cannot be served no longer holds the others at 0%,
+as a uniform fraction (the paper's) did. The cost solve then finds the cheapest plan serving
+those fractions. Saturated constraints are reported in words (`explain`).
 """
 
 from __future__ import annotations
@@ -24,8 +26,17 @@ from ortools.linear_solver import pywraplp
 from solver.allocation.constraints import FRACTION_STEPS
 from solver.allocation.decompose import Part, objective_of, sequential_plan, solve_parts, union
 from solver.allocation.explain import MostServed, binding
-from solver.allocation.model import BACKEND_IDS, STATUS, IlpModel, new_solver, values
-from solver.allocation.problem import Problem, Solution
+from solver.allocation.model import (
+    BACKEND_IDS,
+    STATUS,
+    Fairness,
+    IlpModel,
+    new_solver,
+    served_models,
+    served_steps,
+    values,
+)
+from solver.allocation.problem import Problem, Solution, priority_tiers
 from solver.allocation.reduction import reduce_columns, undominated
 from solver.errors import AllocationError
 from solver.plan.schema import SolverReport
@@ -61,19 +72,15 @@ def _check(status: int, what: str, problem: Problem) -> None:
 
 
 def _homogeneous_plan(
-    problem: Problem, maximise_fraction: bool = False, min_fraction: float = 1.0
+    problem: Problem, fairness: Fairness | None = None
 ) -> tuple[dict[int, int] | None, float]:
     """A feasible start, with its solve time, from single-node-config templates only (a much
-    smaller problem): the cheapest plan that serves `min_fraction` of demand (None if none
-    does), or with `maximise_fraction`, the most-served plan."""
+    smaller problem): the cheapest plan that serves all of the problem's demand (None if none
+    does), or with `fairness`, that most-served solve."""
     idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
-    model = IlpModel(
-        sub,
-        maximise_fraction=maximise_fraction,
-        min_fraction=0.0 if maximise_fraction else min_fraction,
-    )
-    status, seconds = model.solve()
+    model = IlpModel(sub, min_fraction=0.0 if fairness else 1.0, fairness=fairness)
+    status, seconds = model.solve(relative_gap=0.0 if fairness else None)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, seconds
     return {idx[k]: round(v.solution_value()) for k, v in enumerate(model.nu)}, seconds
@@ -84,7 +91,8 @@ def _price(problem: Problem, counts: dict[int, int]) -> float:
 
 
 def solve_allocation(problem: Problem) -> Solution:
-    """The cheapest plan meeting all demand, or, when scarce, the most uniform fraction of it.
+    """The cheapest plan meeting all demand, or, when scarce, the cheapest serving the most of
+    it (`_most_served`: max-min fair across models, then the most in total).
 
     First each job (or colocated model) alone, on its reduced columns (`decompose`): when the
     parts' plans fit together, that is the plan, within the parts' summed bounds. Otherwise a
@@ -103,10 +111,11 @@ def solve_allocation(problem: Problem) -> Solution:
 
 def _solve(problem: Problem, seconds: float) -> Solution:
     """`solve_allocation` after its checks (`seconds` spent so far)."""
+    full = dict.fromkeys(served_models(problem), 1.0)
     parts, sec = solve_parts(problem, 1.0)
     seconds += sec
     if (plan := union(problem, parts)) is not None:
-        return _from_parts(problem, parts, plan, 1.0, [], seconds)
+        return _from_parts(problem, parts, plan, full, [], seconds)
     begin = time.perf_counter()
     solved = all(p.counts is not None for p in parts)
     start_plan = sequential_plan(problem, parts, 1.0) if solved else None
@@ -114,21 +123,26 @@ def _solve(problem: Problem, seconds: float) -> Solution:
     if start_plan is None:
         start_plan, sec = _homogeneous_plan(problem)
         seconds += sec
-    fraction, lines = 1.0, list[str]()
-    if start_plan is None:
-        fraction, lines, start_plan, sec = _most_served(problem)
-        parts, more = solve_parts(problem, fraction)
-        seconds += sec + more
-        if (plan := union(problem, parts)) is not None:
-            return _from_parts(problem, parts, plan, fraction, lines, seconds)
-    return _joint(problem, parts, start_plan, fraction, lines, seconds)
+    if start_plan is not None:
+        return _joint(problem, parts, start_plan, full, [], seconds)
+    fractions, lines, start_plan, sec = _most_served(problem)
+    # The cost solve serves those fractions: the same problem with each model's demand scaled.
+    scaled = replace(
+        problem,
+        demand={job: d * fractions.get(job[0], 0.0) for job, d in problem.demand.items()},
+    )
+    parts, more = solve_parts(scaled, 1.0)
+    seconds += sec + more
+    if (plan := union(scaled, parts)) is not None:
+        return _from_parts(scaled, parts, plan, fractions, lines, seconds)
+    return _joint(scaled, parts, start_plan, fractions, lines, seconds)
 
 
 def _joint(
     problem: Problem,
     parts: list[Part],
     start: dict[int, int],
-    fraction: float,
+    fractions: dict[str, float],
     lines: list[str],
     seconds: float,
 ) -> Solution:
@@ -142,10 +156,10 @@ def _joint(
     used = {i for i, n in start.items() if n}
     # Both reductions together keep an optimal plan: swap each dominated column in it for its
     # dominator (no dearer, `undominated`); each column of that plan is within its budget.
-    fewer = set(reduce_columns(problem, upper, lower, fraction)) & set(undominated(problem))
+    fewer = set(reduce_columns(problem, upper, lower, 1.0)) & set(undominated(problem))
     kept = sorted(fewer | used)
     small = replace(problem, columns=[problem.columns[i] for i in kept])
-    model = IlpModel(small, maximise_fraction=False, min_fraction=fraction)
+    model = IlpModel(small)
     where = {i: k for k, i in enumerate(kept)}
     model.hint_from({where[i]: n for i, n in start.items() if n})
     status, sec = model.solve()
@@ -158,14 +172,14 @@ def _joint(
     if bound is not None:
         bound = min(bound, upper)  # every plan cheaper than `start` is a plan of `small`
     report = _report(problem, STATUS.get(status, str(status)), objective, bound, seconds + sec)
-    return Solution(counts, fraction, report, lines, (len(problem.columns), len(kept)))
+    return Solution(counts, fractions, report, lines, (len(problem.columns), len(kept)))
 
 
 def _from_parts(
     problem: Problem,
     parts: list[Part],
     plan: dict[int, int],
-    fraction: float,
+    fractions: dict[str, float],
     lines: list[str],
     seconds: float,
 ) -> Solution:
@@ -181,7 +195,7 @@ def _from_parts(
         seconds,
     )
     after = sum(p.columns[1] for p in parts)
-    return Solution(plan, fraction, report, lines, (len(problem.columns), after))
+    return Solution(plan, fractions, report, lines, (len(problem.columns), after))
 
 
 def _check_keepable(problem: Problem) -> None:
@@ -205,61 +219,92 @@ def _check_keepable(problem: Problem) -> None:
         )
 
 
-def _most_served(problem: Problem) -> tuple[float, list[str], dict[int, int], float]:
-    """Step 1 when no single-config plan meets demand: the largest uniform fraction phi.
+def _most_served(problem: Problem) -> tuple[dict[str, float], list[str], dict[int, int], float]:
+    """When no plan serves all demand: the fraction of each model's demand to serve.
+
+    Priority tier by priority tier (highest first, the tiers above held at what they got): the
+    least fraction of the tier's models as large as it can be (max-min fairness), then the sum
+    of their fractions as large as it can be with none below that least. Each is a solve to
+    gap 0, from the best plan of the solve before (or of single-config templates alone, so a
+    time limit never serves less than the Cauchy-like templates would).
 
     Returns:
-        phi as a fraction, the binding constraints in words (none when phi = 1), the cost
-        solve's start, and the seconds spent.
+        The fraction per model, the binding constraints in words (none when all are served),
+        the cost solve's start (a plan serving those fractions) and the seconds spent.
     """
-    # This solve is always feasible (nothing is a solution), and its plan is the cost solve's
-    # start, so a cost solve that times out still has a plan (a cold one could end with none).
-    # Without a budget cost plays no part here, so prices are not compared in dominance.
+    # These solves are always feasible (nothing is a solution). Without a budget cost plays
+    # no part here, so prices are not compared in dominance.
     budgeted = problem.settings.budget_usd_per_hour is not None
     keep = list(range(len(problem.columns))) if budgeted else undominated(problem, False)
     sub = replace(problem, columns=[problem.columns[i] for i in keep])
-    scarce = IlpModel(sub, maximise_fraction=True, min_fraction=0.0)
-    # Start from the most-served single-config plan, so a time limit never leaves Coral
-    # serving less than the homogeneous (Cauchy-like) templates alone would.
-    homogeneous, seconds = _homogeneous_plan(sub, maximise_fraction=True)
-    scarce.hint_from(homogeneous)
-    # phi is an integer number of steps, so gap 0 (proven optimal) is what "the largest
-    # fraction" means; the stack's gap is for cost, and a 1% gap here served up to 1% less.
-    status, sec = scarce.solve(relative_gap=0.0)
-    seconds += sec
-    _check(status, "the most-served solve", problem)
-    assert scarce.phi is not None
-    steps = round(scarce.phi.solution_value())
-    found = {i: round(v.solution_value()) for i, v in enumerate(scarce.nu)}
+    floors: dict[str, int] = {}
+    found: dict[int, int] = {}
+    seconds = 0.0
+    model = None
+    for tier in priority_tiers(served_models(problem), problem.priorities):
+        for total in (False, True):
+            fairness = Fairness(dict(floors), tier, total)
+            model = IlpModel(sub, min_fraction=0.0, fairness=fairness)
+            if not found:
+                homogeneous, sec = _homogeneous_plan(sub, fairness)
+                found, seconds = homogeneous or {}, seconds + sec
+            model.hint_from(found)
+            status, sec = model.solve(relative_gap=0.0)  # phi in steps: gap 0 is "the most"
+            seconds += sec
+            _check(status, "the most-served solve", problem)
+            found = {i: round(v.solution_value()) for i, v in enumerate(model.nu)}
+            got = model.fractions()
+            if total or len(tier) == 1:
+                floors |= {m: got[m] for m in tier}
+                break  # (one model: its most is its least)
+            floors |= dict.fromkeys(tier, round(model.least.solution_value()))
+    assert model is not None
+    steps = served_steps(sub, found)
+    least = min(steps.values(), default=FRACTION_STEPS)
     lines: list[str] = []
-    if steps < FRACTION_STEPS:
+    if least < FRACTION_STEPS:
         solved = MostServed(
-            found, scarce.slot_rows, scarce.pool_rows, steps, _unbudgeted_steps(problem)
+            found, model.slot_rows, model.pool_rows, least, _unbudgeted_steps(problem)
         )
-        lines = binding(sub, solved)
-    counts = {keep[i]: n for i, n in found.items()}
+        lines = [*_short_models(steps), *binding(sub, solved, problem)]
+    counts = {keep[i]: n for i, n in found.items() if n}
+    fractions = {m: floors.get(m, 0) / FRACTION_STEPS for m in served_models(problem)}
     # The cost solve starts from the cheaper of that plan and the cheapest single-config
-    # plan serving the same fraction, so it never ends dearer than the Cauchy-like one.
-    cheap, sec = _homogeneous_plan(problem, min_fraction=steps / FRACTION_STEPS)
+    # plan serving the same fractions, so it never ends dearer than the Cauchy-like one.
+    scaled = replace(
+        problem, demand={j: d * fractions.get(j[0], 0.0) for j, d in problem.demand.items()}
+    )
+    cheap, sec = _homogeneous_plan(scaled)
     seconds += sec
     start = (
         cheap if cheap is not None and _price(problem, cheap) < _price(problem, counts) else counts
     )
-    return steps / FRACTION_STEPS, lines, start, seconds
+    return fractions, lines, start, seconds
+
+
+def _short_models(steps: dict[str, int]) -> list[str]:
+    """One line per model served less than in full, least served first."""
+    return [
+        f"{m}: serves {n / FRACTION_STEPS:.1%} of its demand"
+        for m, n in sorted(steps.items(), key=lambda kv: (kv[1], kv[0]))
+        if n < FRACTION_STEPS
+    ]
 
 
 def _unbudgeted_steps(problem: Problem) -> int | None:
-    """The most-served phi with the budget lifted (None when the stack sets no budget)."""
+    """The least served fraction (max-min, all models alike) with the budget lifted, in
+    FRACTION_STEPS (None when the stack sets no budget)."""
     if problem.settings.budget_usd_per_hour is None:
         return None
     settings = problem.settings.model_copy(update={"budget_usd_per_hour": None})
     free = replace(problem, settings=settings)
     free = replace(free, columns=[problem.columns[i] for i in undominated(free, False)])
-    unbounded = IlpModel(free, True, 0.0)
-    status, _ = unbounded.solve(relative_gap=0.0)  # compared with the optimal phi
+    unbounded = IlpModel(
+        free, min_fraction=0.0, fairness=Fairness(active=frozenset(served_models(free)))
+    )
+    status, _ = unbounded.solve(relative_gap=0.0)  # compared with the optimal least fraction
     _check(status, "the most-served solve without the budget", problem)
-    assert unbounded.phi is not None
-    return int(round(unbounded.phi.solution_value()))
+    return int(round(unbounded.least.solution_value()))
 
 
 def _report(

@@ -95,8 +95,8 @@ class FleetState(BaseModel):
 
 
 def served_demand(plan: Plan) -> dict[Job, float]:
-    """(model, phase) -> the demand the plan serves (its served fraction of the demand)."""
-    return {(j.model, j.phase): j.demand * plan.served_fraction for j in plan.jobs}
+    """(model, phase) -> the demand the plan serves (its model's served fraction of it)."""
+    return {(j.model, j.phase): j.demand * plan.fraction_of(j.model) for j in plan.jobs}
 
 
 def router_peers(plan: Plan, inst: Instance) -> list[str]:

@@ -286,7 +286,7 @@ def _closer(
 
     def worst(p: Plan, att: dict[str, float]) -> tuple[bool, float]:
         gaps = [fleet.models[m].slo_attainment - a for m, a in att.items()]
-        return (p.served_fraction > 0, -max(gaps, default=0.0))
+        return (sum(p.served_fractions.values()) > 0, -max(gaps, default=0.0))
 
     return worst(plan, planned) > worst(best[0], best[1])
 
@@ -342,7 +342,7 @@ def _fleet_keys(plan: Plan) -> dict[str, tuple[object, ...]]:
     out: dict[str, list[str]] = {}
     for i in plan.instances:
         out.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
-    return {m: (m, plan.served_fraction, *sorted(t)) for m, t in out.items()}
+    return {m: (m, plan.fraction_of(m), *sorted(t)) for m, t in out.items()}
 
 
 def _relaxed(
@@ -404,20 +404,20 @@ def _raise_headroom(
 
 
 def _traces(
-    fleet: FleetConfig, purpose: Purpose, duration_s: float, scale: float, root: Path | None
+    fleet: FleetConfig, purpose: Purpose, duration_s: float, plan: Plan, root: Path | None
 ) -> tuple[dict[str, Trace], float]:
-    """Every model's requests (at `scale` x demand), over a window long enough for
-    MIN_REQUESTS of the slowest model; returns the traces and the window's length."""
-    if scale <= 0:
-        return {}, duration_s
-    rates = [request_rate(s) * scale for s in fleet.models.values() if request_rate(s) > 0]
-    if rates:
-        duration_s = min(max(duration_s, MIN_REQUESTS / min(rates)), 4 * 3_600.0)
+    """Every served model's requests (at the fraction of its demand the plan serves), over a
+    window long enough for MIN_REQUESTS of the slowest model; returns the traces and the
+    window's length."""
+    scale = {m: plan.fraction_of(m) for m in fleet.models}
+    rates = [request_rate(s) * scale[m] for m, s in fleet.models.items()]
+    if any(r > 0 for r in rates):
+        duration_s = min(max(duration_s, MIN_REQUESTS / min(r for r in rates if r > 0)), 4 * 3_600.0)
     traces = {}
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
-        if request_rate(spec) <= 0:
+        if request_rate(spec) * scale[model] <= 0:
             continue
-        traces[model] = model_trace(spec, i, purpose, duration_s, root, scale)
+        traces[model] = model_trace(spec, i, purpose, duration_s, root, scale[model])
     return traces, duration_s
 
 
@@ -433,7 +433,7 @@ def simulate_workload(
     """The plan simulated on its stack's planning or verification workload, at the demand it
     serves, for at least `duration_s` (longer when a model's rate needs it for MIN_REQUESTS);
     only `models` when given; None when it serves nothing."""
-    traces, duration_s = _traces(fleet, purpose, duration_s, plan.served_fraction, root)
+    traces, duration_s = _traces(fleet, purpose, duration_s, plan, root)
     served = {i.model for i in plan.instances if models is None or i.model in models}
     traces = {m: t for m, t in traces.items() if m in served}
     return simulate(plan, fleet, perf, traces, duration_s) if traces else None

@@ -227,7 +227,8 @@ def decide(
     routed_total = routed_usd + _penalty(routed, names, previous, k)
     one_ok = (v1 := _verified_of(one, model)) is None or v1 >= target
     _, v2 = _weighted(routed, buckets)
-    routed_ok = (v2 is None or v2 >= target) and routed.served_fraction >= one.served_fraction
+    served = min((routed.fraction_of(b) for b in names), default=1.0)
+    routed_ok = (v2 is None or v2 >= target) and served >= one.fraction_of(model)
     if spec.length_routing.mode == "always":
         routed_it, reason = True, "length_routing.mode is always"
     elif routed_ok != one_ok:  # only one of the two meets the target

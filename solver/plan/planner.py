@@ -160,6 +160,7 @@ def plan_from_solution(
         method=method,
         mode=fleet.library.mode,
         served_fraction=solution.fraction,
+        served_fractions={m: round(f, 4) for m, f in sorted(solution.fractions.items())},
         hourly_cost_usd=round(sum(x.usd_per_hour for x in instances), 4),
         startup_penalty_usd_per_hour=round(penalty, 4),
         cost_by_model=cost_by_model,
@@ -215,7 +216,7 @@ def plan_stack(
     `solver.plan.attainment`) scale each template's throughput; a template with factor 0 is
     not offered. None: every template at its library throughput (the paper's formulation).
     """
-    from solver.allocation.baselines import cauchy_columns, homo_solution
+    from solver.allocation.baselines import cauchy_columns, homo_solution, priorities
 
     demand = stack_demand(fleet)
     market = build_market(fleet, catalog)
@@ -238,7 +239,7 @@ def plan_stack(
         if method == "cauchy":
             columns = cauchy_columns(columns)
         running = previous.counts() if previous is not None else {}
-        problem = Problem(needed, columns, market, fleet.allocation, running)
+        problem = Problem(needed, columns, market, fleet.allocation, running, priorities(fleet))
         solution = solve_allocation(problem)
     return plan_from_solution(
         stack, method, fleet, market, demand, columns, solution, libs, factors

@@ -129,7 +129,14 @@ class Plan(BaseModel):
     stack: str
     method: Method
     mode: str
-    served_fraction: float = Field(ge=0, le=1, description="Uniform fraction of demand served.")
+    served_fraction: float = Field(
+        ge=0, le=1, description="The least fraction of any model's demand served (1: all of it)."
+    )
+    served_fractions: dict[str, float] = Field(
+        default_factory=dict,
+        description="Per model (a length bucket by its name): the fraction of its demand "
+        "served. Under scarcity max-min fair, then the most served (docs/allocation.md).",
+    )
     hourly_cost_usd: float = Field(description="Provisioning $/hour of every instance.")
     startup_penalty_usd_per_hour: float = Field(description="K x price of new instances.")
     cost_by_model: dict[str, dict[str, float]] = Field(description="model -> phase -> $/hour.")
@@ -158,6 +165,28 @@ class Plan(BaseModel):
         default="",
         description="Why the SLO closed loop stopped, in words ('' where none ran).",
     )
+
+    def fraction_of(self, model: str) -> float:
+        """The fraction of `model`'s demand the plan serves (`served_fraction` for a model it
+        does not list)."""
+        return self.served_fractions.get(model, self.served_fraction)
+
+    def short_models(self) -> dict[str, float]:
+        """Models served less than in full, with their fractions."""
+        return {m: f for m, f in sorted(self.served_fractions.items()) if f < 1}
+
+    def serves_any(self) -> bool:
+        """Whether the plan serves some of some model's demand."""
+        if self.served_fractions:
+            return max(self.served_fractions.values()) > 0
+        return self.served_fraction > 0
+
+    def short_words(self) -> str:
+        """The models served less than in full, e.g. 'llama2-70b 0.0%, phi-4 62.5%'."""
+        short = self.short_models() or (
+            {"every model": self.served_fraction} if self.served_fraction < 1 else {}
+        )
+        return ", ".join(f"{m} {f:.1%}" for m, f in short.items())
 
     def gpus(self, catalog: Catalog) -> int:
         """GPUs the plan rents: every node of every instance, by its config's GPU count."""

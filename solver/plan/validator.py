@@ -184,10 +184,11 @@ def _capacity_problems(market: Market, used: dict[Slot, int]) -> list[str]:
     return out
 
 
-def served_fraction(
+def served_fractions(
     fleet: FleetConfig, demand: dict[Job, float], supply: dict[Job, float]
-) -> float:
-    """The largest uniform fraction of every job's capacity need that `supply` delivers.
+) -> dict[str, float]:
+    """Per model, the largest fraction of each of its jobs' capacity need that `supply`
+    delivers.
 
     Args:
         fleet: the stack (its target utilization).
@@ -195,11 +196,14 @@ def served_fraction(
         supply: (model, phase) -> throughput the instances deliver.
 
     Returns:
-        min over jobs with demand of supply / (demand / target utilization), at most 1.
+        model -> min over its jobs with demand of supply / (demand / target utilization), at
+        most 1.
     """
-    needed = capacity_needed(fleet, demand)
-    ratios = [supply.get(job, 0.0) / n for job, n in needed.items() if n > 0]
-    return min([1.0, *ratios])
+    out: dict[str, float] = {}
+    for (model, phase), n in capacity_needed(fleet, demand).items():
+        if n > 0:
+            out[model] = min(out.get(model, 1.0), supply.get((model, phase), 0.0) / n)
+    return out
 
 
 def _demand_problems(
@@ -209,8 +213,9 @@ def _demand_problems(
     out = []
     recorded = {(j.model, j.phase): j for j in plan.jobs}
     needed = capacity_needed(fleet, demand)
-    u, phi = fleet.allocation.target_utilization, plan.served_fraction
+    u = fleet.allocation.target_utilization
     for job, d in sorted(demand.items()):
+        phi = plan.fraction_of(job[0])
         unit = "requests/s" if job[1] == "aggregated" else "tokens/s"
         rec, supply = recorded.get(job), tally.supply.get(job, 0.0)
         name = f"{job[0]} {job[1]}"
@@ -225,9 +230,19 @@ def _demand_problems(
             )
         if rec is not None:
             out.extend(_job_record_problems(plan, rec, tally))
-    actual = served_fraction(fleet, demand, tally.supply)
-    if phi > actual + TOL:
-        out.append(f"served fraction: the plan says {phi:.4f}, its instances serve {actual:.4f}")
+    actual = served_fractions(fleet, demand, tally.supply)
+    for model, served in sorted(actual.items()):
+        said = plan.fraction_of(model)
+        if said > served + TOL:
+            out.append(
+                f"{model} served fraction: the plan says {said:.4f}, its instances serve "
+                f"{served:.4f}"
+            )
+    if plan.served_fraction > min(actual.values(), default=1.0) + TOL:
+        out.append(
+            f"served fraction: the plan says {plan.served_fraction:.4f}, its instances serve "
+            f"{min(actual.values(), default=1.0):.4f}"
+        )
     for job in sorted(set(recorded) - set(demand)):
         out.append(f"{job[0]} {job[1]}: in the plan's jobs but not in the stack")
     for job in sorted(set(tally.count) - set(demand)):

@@ -226,3 +226,63 @@ def test_coral_is_never_dearer_than_a_restriction_of_itself_at_the_same_capaciti
         assert coral.served_fraction >= other.served_fraction - 1e-9, method
         if coral.served_fraction == other.served_fraction == 1:
             assert coral.hourly_cost_usd <= other.hourly_cost_usd * (1 + 1e-6) + 1e-6, method
+
+
+# ------------------------------------------- scarcity across models: max-min, then the most
+
+
+@st.composite
+def tiny_two_model_problems(draw):
+    """Two models ("m", "n") on the same tiny market: one template each (a shape, a rate)."""
+    prices = {(r, n): draw(st.floats(0.5, 5)) for r in REGIONS for n in NODES}
+    avail = {(r, n): draw(st.integers(0, 3)) for r in REGIONS for n in NODES}
+    columns, demand = [], {}
+    for model in ("m", "n"):
+        nodes = draw(st.sampled_from([["a"], ["b"], ["a", "b"]]))
+        t = _template(f"{model}0", nodes, draw(st.floats(1, 10)))
+        for r in REGIONS:
+            if all(avail[(r, x)] > 0 for x in nodes):
+                usage = tuple(sorted((x, nodes.count(x)) for x in set(nodes)))
+                price = sum(prices[(r, x)] for x in nodes)
+                columns.append(Column((model, "prefill"), r, t, price, usage))
+        demand[(model, "prefill")] = draw(st.floats(1, 25))
+    settings_ = AllocationSettings(relative_gap=0.0, colocate_phases=False)
+    return Problem(demand, columns, Market(prices, avail, {}, dict(NODES)), settings_)
+
+
+def _fair_brute_force(p: Problem) -> tuple[float, float]:
+    """(largest least fraction, then largest sum of fractions) over every plan, by enumeration
+    (fractions floored to 0.01%, as the solver's steps)."""
+    best = (-1.0, -1.0)
+    for counts in itertools.product(*[range(0, 4) for _ in p.columns]):
+        use: dict = {}
+        for c, k in zip(p.columns, counts, strict=True):
+            for node, per in c.usage:
+                use[(c.region, node)] = use.get((c.region, node), 0) + k * per
+        if any(v > p.market.available[s] for s, v in use.items()):
+            continue
+        fractions = []
+        for job, d in sorted(p.demand.items()):
+            supply = sum(
+                c.template.throughput * k
+                for c, k in zip(p.columns, counts, strict=True)
+                if c.job == job
+            )
+            fractions.append(min(1.0, int(supply / d * 10_000) / 10_000))
+        best = max(best, (min(fractions), sum(fractions)))
+    return best
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(tiny_two_model_problems())
+def test_scarce_fractions_are_max_min_fair_then_the_most_served(problem):
+    least, total = _fair_brute_force(problem)
+    assume(least < 1)  # scarce
+    sol = solve_allocation(problem)
+    assert min(sol.fractions.values()) == pytest.approx(least, abs=2e-4)
+    assert sum(sol.fractions.values()) == pytest.approx(total, abs=4e-4)
+    # what it says it serves, its instances serve
+    for job, d in problem.demand.items():
+        supply = sum(problem.columns[i].template.throughput * k for i, k in sol.counts.items()
+                     if problem.columns[i].job == job)  # fmt: skip
+        assert supply >= d * sol.fractions[job[0]] - 1e-6

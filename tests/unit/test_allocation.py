@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -138,6 +139,7 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
     """When scarce, the most-served solve is hinted with the single-config (Cauchy-like)
     most-served plan, phi included, so a time limit never leaves Coral serving less than
     those templates alone (seen on paper-extended-scarce at u = 0.7 before)."""
+    from solver.allocation.model import Fairness, served_models, served_steps
     from solver.allocation.problem import Problem, make_columns
     from solver.allocation.solve import FRACTION_STEPS, _homogeneous_plan, _Model
     from solver.catalog.market import build_market
@@ -153,12 +155,15 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
     market = build_market(f, perf().catalog)
     templates = {job: lib.templates for job, lib in libraries().items()}
     problem = Problem(demand, make_columns(templates, market, demand), market, f.allocation)
-    counts, _ = _homogeneous_plan(problem, maximise_fraction=True)
+    fair = Fairness(active=frozenset(served_models(problem)))
+    counts, _ = _homogeneous_plan(problem, fair)
     assert counts and all(len(problem.columns[i].usage) == 1 for i in counts if counts[i])
-    scarce = _Model(problem, maximise_fraction=True, min_fraction=0.0)
-    steps = scarce._served_steps(counts)
+    scarce = _Model(problem, min_fraction=0.0, fairness=fair)
+    steps = served_steps(problem, counts)
     cauchy = plan_stack("test", f, perf().catalog, libraries(), method="cauchy")
-    assert 0 < steps / FRACTION_STEPS == pytest.approx(cauchy.served_fraction, abs=1e-3)
+    assert 0 < min(steps.values()) / FRACTION_STEPS == pytest.approx(
+        cauchy.served_fraction, abs=1e-3
+    )
     hinted = []
 
     def record(variables, values):
@@ -166,10 +171,16 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
 
     scarce.solver.SetHint = record  # the SWIG solver takes a Python attribute
     scarce.hint_from(counts)
-    assert hinted and hinted[0][scarce.phi] == steps
-    # ... and the cost solve can start from the cheapest single-config plan at that fraction:
-    # Cauchy-like's own cost there.
-    cheap, _ = _homogeneous_plan(problem, min_fraction=cauchy.served_fraction)
+    assert scarce.phi is not None
+    assert hinted and all(hinted[0][scarce.phi[m]] == n for m, n in steps.items())
+    assert hinted[0][scarce.least] == min(steps.values())
+    # ... and the cost solve can start from the cheapest single-config plan serving those
+    # fractions: Cauchy-like's own cost there.
+    scaled = replace(
+        problem,
+        demand={j: d * cauchy.fraction_of(j[0]) for j, d in problem.demand.items()},
+    )
+    cheap, _ = _homogeneous_plan(scaled)
     assert cheap is not None
     price = sum(n * problem.columns[i].price for i, n in cheap.items())
     assert price == pytest.approx(cauchy.hourly_cost_usd, abs=1e-3)  # the plan rounds to 4 digits

@@ -219,7 +219,7 @@ def test_a_cut_that_whole_instances_absorb_compounds_until_the_plan_changes():
 
     def plan_with(n: int):
         inst = SimpleNamespace(model="phi-4", phase="decode", template="l4x1")
-        return SimpleNamespace(instances=[inst] * n, served_fraction=1.0)
+        return SimpleNamespace(instances=[inst] * n, fraction_of=lambda _: 1.0)
 
     def loop_adding_below(threshold: float):
         loop = SimpleNamespace(base={"phi-4/decode/l4x1": 1.0}, solved=[])
@@ -261,7 +261,7 @@ def test_capacity_is_given_back_one_model_at_a_time():
 
     def plan_with(n: int):
         inst = SimpleNamespace(model="phi-4", phase="decode", template="l4x1")
-        return SimpleNamespace(instances=[inst] * n, served_fraction=1.0)
+        return SimpleNamespace(instances=[inst] * n, fraction_of=lambda _: 1.0)
 
     solved: list[dict[str, float]] = []
 

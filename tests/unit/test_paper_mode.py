@@ -129,6 +129,7 @@ def stub_plan(instances: list[Any]) -> Any:
     return SimpleNamespace(
         binding=[],
         served_fraction=1.0,
+        serves_any=lambda: True,
         jobs=[],
         below_target=lambda: [],
         unpaired=lambda: [],

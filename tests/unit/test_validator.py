@@ -11,7 +11,7 @@ import pytest
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.planner import plan_stack
 from solver.plan.schema import Instance, Plan
-from solver.plan.validator import InvalidPlan, plan_problems, served_fraction, validate_plan
+from solver.plan.validator import InvalidPlan, plan_problems, served_fractions, validate_plan
 from solver.types import Job
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
@@ -117,9 +117,11 @@ def test_a_plan_claiming_more_than_its_instances_serve_is_rejected():
     f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 8, availability=avail)
     plan = solve(f)
     assert 0 < plan.served_fraction < 1
-    actual = served_fraction(f, stack_demand(f), _supply(plan))
+    actual = min(served_fractions(f, stack_demand(f), _supply(plan)).values())
     assert actual >= plan.served_fraction
-    claimed = Plan.model_validate(plan.model_dump() | {"served_fraction": 1.0})
+    claimed = Plan.model_validate(
+        plan.model_dump() | {"served_fraction": 1.0, "served_fractions": {}}
+    )
     with pytest.raises(
         InvalidPlan,
         match=rf"served fraction: the plan says 1\.0000, its instances serve {actual:.4f}",
