@@ -18,7 +18,7 @@ import typer
 from solver.performance.default_model import load_perf_model
 from solver.plan.planner import libraries_for, plan_stack, stack_demand
 from solver.simulation.simulator import simulate
-from solver.simulation.traces import stack_traces
+from solver.simulation.workload import stack_requests
 from solver.stack import load_stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +38,7 @@ def main(
         settings = base.allocation.model_copy(update={"target_utilization": u})
         fleet = base.model_copy(update={"allocation": settings})
         plan = plan_stack(stack, fleet, perf.catalog, libs)
-        traces = stack_traces(fleet.models, duration)
+        traces = stack_requests(fleet.models, duration, root=ROOT)
         times, cpu, summary = [], [], {}
         for _ in range(repeats if u == 1.0 else 1):
             start, start_cpu = time.perf_counter(), time.process_time()

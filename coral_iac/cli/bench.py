@@ -47,17 +47,17 @@ def library_cache(fleet: Any) -> Path:
     return library_root() / f"bench-{digest([sorted(fleet.node_configs), fleet.library])}"
 
 
-AZURE_TRACES = {"Azure Conversation": "azure-conv-2023", "Azure Code": "azure-code-2023"}
-
-
 def with_traces(fleet: Any, traces: str) -> Any:
-    """`--traces azure`: models whose workload is Azure conversation or code are judged on the
-    real 2023 traces instead of generated requests of that shape."""
-    if traces == "generated":
+    """`--traces generated`: models whose workload is named after a packaged trace (Azure
+    conversation or code) are judged on that shape's lognormal stand-in instead of the trace
+    (`azure`, the default, as `coral plan` does)."""
+    from solver.simulation.workload import TRACE_SHAPES
+
+    if traces == "azure":
         return fleet
     models = {
-        m: spec.model_copy(update={"workload_trace": AZURE_TRACES[spec.workload]})
-        if spec.workload in AZURE_TRACES and spec.workload_trace is None
+        m: spec.model_copy(update={"workload": f"{spec.workload} (lognormal)"})
+        if spec.workload in TRACE_SHAPES and spec.workload_trace is None
         else spec
         for m, spec in fleet.models.items()
     }

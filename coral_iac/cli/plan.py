@@ -115,6 +115,14 @@ def plan(
             f"workload, {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
+    for a in result.attainment:
+        if a.replay_gap > REPLAY_TOLERANCE:
+            warn(
+                f"{a.model}: {100 * (a.verified or 0):.1f}% verified on the trace's held-out "
+                f"windows, {100 * (a.replayed or 0):.1f}% on the whole trace "
+                f"({100 * a.replay_gap:.1f} points apart): the trace's windows differ more "
+                "than one window can show; judge the plan by the lower"
+            )
     if out_file is not None and not write:
         err.print(f"Left {out_file} as it was.")
     if strict and failed:
@@ -289,10 +297,18 @@ def show_plan(p: Any) -> None:
         err.print(f"SLO closed loop stopped: {p.closed_loop_stop}", highlight=False)
 
 
+REPLAY_TOLERANCE = 0.03  # verified vs whole-trace attainment: more apart than this is said
+
+
 def attainment_table(p: Any) -> Table:
-    """Per model: SLO attainment target, on the planning workload, and verified on another."""
+    """Per model: SLO attainment target, on the planning workload, verified on another, and on
+    the whole trace for a trace-backed model."""
     table = Table(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
-    for col in ("model", "workload", "target", "planned", "verified", "headroom", ""):
+    replayed = any(a.replayed is not None for a in p.attainment)
+    cols = ("model", "workload", "target", "planned", "verified", "whole trace", "headroom", "")
+    for col in cols:
+        if col == "whole trace" and not replayed:
+            continue
         table.add_column(col, justify="left" if col in ("model", "workload", "") else "right")
 
     def pct(x: float | None) -> str:
@@ -304,15 +320,17 @@ def attainment_table(p: Any) -> Table:
             status = f"[red]short {100 * a.short_by:.1f} pts[/]"
         if "@" in a.model:  # a length bucket: its model as a whole is judged on its own row
             status = "bucket" if not a.short_by else f"bucket, {100 * a.short_by:.1f} pts under"
-        table.add_row(
+        cells = [
             a.model,
             a.workload,
             pct(a.target),
             pct(a.planned),
             f"{pct(a.verified)} ({a.verified_minutes:g} min)",
+            *([pct(a.replayed)] if replayed else []),
             " ".join(f"{ph} {k:g}" for ph, k in a.headroom.items()),
             status,
-        )
+        ]
+        table.add_row(*cells)
     return table
 
 

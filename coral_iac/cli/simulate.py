@@ -99,29 +99,10 @@ def simulate_cmd(
 
 def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:
     """Each model's requests at `load` x its demand (requests/s, or tokens/s over the mean
-    lengths): its `workload_trace`'s verification window, or generated with seed `seed + i`."""
-    from solver.simulation.traces import generate_trace
-    from solver.simulation.workload import model_trace, request_rate
+    lengths): its trace's verification window, or generated with seed `seed + i`."""
+    from solver.simulation.workload import stack_requests
 
-    traces = {}
-    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
-        rate = request_rate(spec) * load
-        if rate <= 0:
-            continue
-        if spec.workload_trace is not None or spec.length_slice is not None:
-            # A length bucket: the model's stream thinned to its prompts (verification seeds).
-            root = stacks_dir().parent
-            traces[model] = model_trace(spec, i, "verify", duration, root, load)
-        else:
-            traces[model] = generate_trace(
-                rate,
-                duration,
-                spec.mean_prompt_tokens,
-                spec.mean_output_tokens,
-                spec.workload,
-                seed=seed + i,
-            )
-    return traces
+    return stack_requests(fleet.models, duration, load, seed, stacks_dir().parent)
 
 
 def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:

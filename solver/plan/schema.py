@@ -81,6 +81,11 @@ class ModelAttainment(BaseModel):
     )
     verified_requests: int = 0
     verified_minutes: float = 0.0
+    replayed: float | None = Field(
+        default=None,
+        description="Attainment on the whole real trace the workload comes from (planning's "
+        "requests included), at the model's demand; None for a generated workload.",
+    )
     headroom: dict[str, float] = Field(
         default_factory=dict,
         description="phase -> the closed loop's correction of the capacity model (1 = none).",
@@ -91,6 +96,13 @@ class ModelAttainment(BaseModel):
     def short_by(self) -> float:
         """Points below the target on the verification workload (0 when it meets it)."""
         return max(0.0, self.target - self.verified) if self.verified is not None else 0.0
+
+    @property
+    def replay_gap(self) -> float:
+        """How far the whole trace's attainment is from the verified one (0 without both)."""
+        if self.verified is None or self.replayed is None:
+            return 0.0
+        return abs(self.replayed - self.verified)
 
 
 class LengthBucket(BaseModel):

@@ -19,7 +19,7 @@ from solver.performance.perf_model import PerfModel
 from solver.plan.planner import plan_stack
 from solver.plan.schema import Plan, diff_plans
 from solver.simulation.simulator import simulate
-from solver.simulation.traces import stack_traces
+from solver.simulation.workload import stack_requests
 from solver.stack import FleetConfig, NodeAvailability
 from solver.templates.library import Library
 from solver.types import Job
@@ -86,7 +86,7 @@ def run_epochs(
         for k, (p, seconds) in enumerate(parts):
             if seconds <= 0:
                 continue
-            traces = stack_traces(fleet.models, seconds, seed=seed + 100 * e + 10 * k)
+            traces = stack_requests(fleet.models, seconds, seed=seed + 100 * e + 10 * k)
             result = simulate(p, fleet, perf, traces, seconds)
             for r in result.models.values():
                 good += float(r.output[r.met].sum())

@@ -5,12 +5,15 @@ A trace is arrival times (seconds), prompt lengths and output lengths (tokens), 
 Generated traces draw arrivals from a Gamma renewal process with the model's rate, so the
 coefficient of variation (CV) of inter-arrival gaps sets burstiness (CV 1 = Poisson). Lengths are
 lognormal, with their mean at the stack's `mean_prompt_tokens` / `mean_output_tokens`. The shape
-parameters are assumptions, chosen to match published descriptions; they are not fits:
+parameters are assumptions, chosen to match published descriptions; they are not fits. A stack's
+plain "Azure Code" / "Azure Conversation" workload is the packaged trace itself
+(`workload.TRACE_SHAPES`); these lognormal stand-ins miss its tails and bursts
+(docs/slo-attainment.md says by how much):
 
 | workload | arrival CV | prompt sigma | output sigma | source of the shape |
 |---|---|---|---|---|
-| Azure Code | 1.0 | 0.8 | 1.0 | Patel et al., Splitwise (ISCA 2024), Fig. 3, Azure LLM inference trace 2023: long prompts, very short outputs |
-| Azure Conversation | 1.0 | 0.9 | 0.9 | same source: medium prompts and outputs |
+| Azure Code (lognormal) | 1.0 | 0.8 | 1.0 | Patel et al., Splitwise (ISCA 2024), Fig. 3, Azure LLM inference trace 2023: long prompts, very short outputs |
+| Azure Conversation (lognormal) | 1.0 | 0.9 | 0.9 | same source: medium prompts and outputs |
 | BurstGPT | 2.0 | 1.0 | 1.0 | Wang et al., BurstGPT (2024): bursty arrivals, heavy-tailed lengths |
 
 Real traces: `load_trace_csv` reads `timestamp,prompt_tokens,output_tokens` rows (seconds; a
@@ -20,14 +23,12 @@ header row is optional), e.g. converted from https://github.com/Azure/AzurePubli
 from __future__ import annotations
 
 import csv
-from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
 from solver.errors import InputError
-from solver.stack import ModelSpec
 
 
 @dataclass(frozen=True)
@@ -38,8 +39,8 @@ class WorkloadShape:
 
 
 SHAPES = {
-    "Azure Code": WorkloadShape(1.0, 0.8, 1.0),
-    "Azure Conversation": WorkloadShape(1.0, 0.9, 0.9),
+    "Azure Code (lognormal)": WorkloadShape(1.0, 0.8, 1.0),
+    "Azure Conversation (lognormal)": WorkloadShape(1.0, 0.9, 0.9),
     "BurstGPT": WorkloadShape(2.0, 1.0, 1.0),
 }
 DEFAULT_SHAPE = WorkloadShape(1.0, 0.9, 0.9)
@@ -80,27 +81,6 @@ def generate_trace(
         _lognormal(rng, mean_prompt, shape.prompt_sigma, n, max_tokens),
         _lognormal(rng, mean_output, shape.output_sigma, n, max_tokens),
     )
-
-
-def stack_traces(
-    models: Mapping[str, ModelSpec], duration_s: float, scale: float = 1.0, seed: int = 0
-) -> dict[str, Trace]:
-    """One generated trace per model with a requests/s demand, at `scale` x that demand.
-
-    Models are seeded `seed`, `seed + 1`, ... in name order, so traces are reproducible.
-    """
-    return {
-        model: generate_trace(
-            spec.demand.requests_per_s * scale,
-            duration_s,
-            spec.mean_prompt_tokens,
-            spec.mean_output_tokens,
-            spec.workload,
-            seed=seed + i,
-        )
-        for i, (model, spec) in enumerate(sorted(models.items()))
-        if spec.demand is not None and spec.demand.requests_per_s
-    }
 
 
 def _lognormal(rng: np.random.Generator, mean: float, sigma: float, n: int, cap: int) -> np.ndarray:

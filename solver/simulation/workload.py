@@ -2,12 +2,15 @@
 planning and verification never see the same requests.
 
 A model's workload is `workload_trace` when the stack gives one (a packaged trace or a CSV in
-the project), else requests generated like its `workload` shape (`traces.generate_trace`).
+the project), else the packaged trace its `workload` is named after ("Azure Conversation",
+"Azure Code": `TRACE_SHAPES`), else requests generated like its `workload` shape
+(`traces.generate_trace`; "BurstGPT" and the "(lognormal)" shapes).
 
-- **Generated**: planning draws with seeds `PLAN_SEED + i`, verification with `VERIFY_SEED + i`
-  (i: the model's index in name order); `coral simulate` keeps seed 0 unless told otherwise.
+- **Generated**: planning draws with seeds `PLAN_SEED + i`, verification with `VERIFY_SEED + i`,
+  a replay with `REPLAY_SEED + i` (i: the model's index in name order).
 - **Trace**: the trace is cut into `TRACE_BLOCK_S` blocks; planning reads the even ones,
-  verification the odd ones (`trace_window`), so both span the whole trace. Each window's
+  verification the odd ones (`trace_window`), so both span the whole trace; a replay reads it
+  all (what production would have sent, planning's requests included). Each window's
   time is scaled so its mean rate is the model's demand (the Azure traces' README suggests it:
   dividing timestamps by k multiplies the rate by k and keeps the bursts' shape), and every
   length is scaled by one factor per trace so the trace's mean prompt and output lengths become
@@ -20,6 +23,7 @@ the project), else requests generated like its `workload` shape (`traces.generat
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
@@ -32,8 +36,8 @@ from solver.io import data_path
 from solver.simulation.traces import DEFAULT_SHAPE, SHAPES, Trace, generate_trace, load_trace_csv
 from solver.stack import ModelSpec
 
-Purpose = Literal["plan", "verify"]
-PLAN_SEED, VERIFY_SEED = 1_000, 2_000
+Purpose = Literal["plan", "verify", "replay"]
+PLAN_SEED, VERIFY_SEED, REPLAY_SEED = 1_000, 2_000, 3_000
 # A trace's planning and verification windows interleave in blocks of this many seconds of
 # trace: long enough to keep its bursts (seconds) whole, short enough that both windows see
 # every part of the hour. With halves instead, prod's gpt-oss-20b was predicted 92.2% and
@@ -44,6 +48,16 @@ PACKAGED_TRACES = {
     "azure-conv-2023": "traces/azure-2023/azure_conv_2023.csv",
     "azure-code-2023": "traces/azure-2023/azure_code_2023.csv",
 }
+# A `workload` named after a packaged trace is that trace: its requests resampled (its length
+# pairs and its bursts, in windows), not a distribution fitted to it. "<name> (lognormal)" keeps
+# the generated shape (`traces.SHAPES`).
+TRACE_SHAPES = {"Azure Conversation": "azure-conv-2023", "Azure Code": "azure-code-2023"}
+
+
+def trace_of(spec: ModelSpec) -> str | None:
+    """The trace a model's requests come from: its `workload_trace`, or the packaged trace its
+    `workload` is named after; None for a generated shape."""
+    return spec.workload_trace or TRACE_SHAPES.get(spec.workload)
 
 
 def request_rate(spec: ModelSpec) -> float:
@@ -94,8 +108,8 @@ def model_trace(
     if spec.length_slice is not None:
         return _bucket_trace(spec, index, purpose, duration_s, root, scale)
     rate = request_rate(spec) * scale
-    if spec.workload_trace is None:
-        seed = (PLAN_SEED if purpose == "plan" else VERIFY_SEED) + index
+    if trace_of(spec) is None:
+        seed = {"plan": PLAN_SEED, "verify": VERIFY_SEED, "replay": REPLAY_SEED}[purpose] + index
         return generate_trace(
             rate,
             duration_s,
@@ -140,7 +154,8 @@ def trace_window(
     """Which of a trace's requests a purpose reads, and their arrival times in the window.
 
     The trace is cut into TRACE_BLOCK_S blocks; planning reads the even ones, verification the
-    odd ones, each block's requests kept in order with the blocks butted together. So the two
+    odd ones, each block's requests kept in order with the blocks butted together; a replay
+    reads the whole trace. So the two
     windows never share a request, and both span the whole trace: an hour whose halves differ
     (the Azure code trace's second half is calmer) no longer makes one window easier.
 
@@ -151,6 +166,8 @@ def trace_window(
     """
     t = arrival_s - arrival_s[0]
     span = float(t[-1]) if len(t) else 0.0
+    if purpose == "replay":
+        return np.arange(len(t)), t, span
     block = np.floor(t / TRACE_BLOCK_S).astype(np.int64)
     parity = 0 if purpose == "plan" else 1
     idx = np.nonzero(block % 2 == parity)[0]
@@ -163,7 +180,7 @@ def trace_window(
 def _trace_window(
     spec: ModelSpec, purpose: Purpose, rate: float, duration_s: float, root: Path | None
 ) -> Trace:
-    full = _read_trace(spec.workload_trace or "", root)
+    full = _read_trace(trace_of(spec) or "", root)
     idx, arrival, length = trace_window(full.arrival_s, purpose)
     window_rate = len(arrival) / (length or 1.0)
     scale = window_rate / rate if rate > 0 else 1.0  # seconds of trace -> seconds at demand
@@ -198,10 +215,39 @@ def _read_trace(name: str, root: Path | None) -> Trace:
     return _read_trace_cached(path.resolve())
 
 
+def stack_requests(
+    models: Mapping[str, ModelSpec],
+    duration_s: float,
+    load: float = 1.0,
+    seed: int | None = None,
+    root: Path | None = None,
+    purpose: Purpose = "verify",
+) -> dict[str, Trace]:
+    """Every model's requests at `load` x its demand, for up to `duration_s`: `model_trace`'s
+    (a trace's window or generated with the purpose's seeds), or with `seed`, generated models
+    drawn with seeds `seed + i` instead (i: the model's index in name order)."""
+    out = {}
+    for i, (model, spec) in enumerate(sorted(models.items())):
+        if request_rate(spec) * load <= 0:
+            continue
+        if seed is not None and trace_of(spec) is None and spec.length_slice is None:
+            out[model] = generate_trace(
+                request_rate(spec) * load,
+                duration_s,
+                spec.mean_prompt_tokens,
+                spec.mean_output_tokens,
+                spec.workload,
+                seed=seed + i,
+            )
+        else:
+            out[model] = model_trace(spec, i, purpose, duration_s, root, load)
+    return out
+
+
 def planning_workload(spec: ModelSpec, index: int, root: Path | None = None) -> Workload:
     """The length sample and arrival variability the capacity model plans with: the planning
     window of the trace, or the workload shape's own distribution (400 quantiles)."""
-    if spec.workload_trace is not None:
+    if trace_of(spec) is not None:
         trace = model_trace(spec, index, "plan", 3_600.0, root)
         return Workload(np.sort(trace.prompt), np.sort(trace.output), _idc(trace.arrival_s))
     shape = SHAPES.get(spec.workload, DEFAULT_SHAPE)
