@@ -49,7 +49,7 @@ def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str: 
             return "-"
         text = f"{row['usd_per_hour']:.2f}"
         if row["served_fraction"] < 0.9995:
-            text += f" ({row['served_fraction']:.1%} served)"
+            text += f" (least served model {row['served_fraction']:.1%})"
         return text
 
     def attained(row: dict | None) -> str:  # type: ignore[type-arg]
@@ -66,8 +66,9 @@ def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str: 
         "# Cost per committed stack",
         "",
         f"Written by `scripts/stack_costs{label}`: every stack in `stacks/` planned with "
-        '`coral plan --stack S`. $/h is the plan\'s provisioning cost; "served" is the share of '
-        "demand the plan serves when the stack's budget or availability cannot cover it all; "
+        '`coral plan --stack S`. $/h is the plan\'s provisioning cost; when the stack\'s budget or '
+        "availability cannot cover all demand, the share of its demand the least served model "
+        "gets follows it; "
         "attainment is the lowest verified share of requests within both SLOs over the stack's "
         "models (and which models miss their target).",
         "",
