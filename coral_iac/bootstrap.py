@@ -472,6 +472,7 @@ def render_start_script(boot: NodeBoot) -> str:
             vllm_version=VLLM_VERSION,
             router_version=VLLM_ROUTER_VERSION,
             nixl_port=boot.ports.nixl,
+            master_port=MASTER_PORT,
             download_include=DOWNLOAD_INCLUDE,
             download_exclude=DOWNLOAD_EXCLUDE,
             argvs=[vllm_argv(boot, p, MASTER_ADDR_VAR) for p in boot.processes],

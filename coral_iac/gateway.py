@@ -31,7 +31,7 @@ from pydantic import BaseModel, Field
 
 from coral_iac.bootstrap import TEMPLATES, template_environment
 from coral_iac.deploy_settings import GatewaySettings
-from coral_iac.infra import EC2_ASSUME_ROLE, GatewayPeer, Infra, slug
+from coral_iac.infra import EC2_ASSUME_ROLE, SECRET_SUFFIX, GatewayPeer, Infra, slug
 from solver.errors import InputError
 from solver.plan.schema import Instance, LengthBucket, Plan, template_ref
 from solver.stack import FleetConfig
@@ -370,7 +370,10 @@ class Gateway(pulumi.ComponentResource):
             {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn}
         ]
         if args.api_key_secret:  # and the API key it checks
-            secret = f"arn:aws:secretsmanager:{args.region}:*:secret:{args.api_key_secret}-*"
+            secret = (
+                f"arn:aws:secretsmanager:{args.region}:*:secret:{args.api_key_secret}"
+                f"{SECRET_SUFFIX}"
+            )
             statements.append(
                 {"Effect": "Allow", "Action": "secretsmanager:GetSecretValue", "Resource": secret}
             )

@@ -17,7 +17,9 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import re
 from dataclasses import dataclass, field
 
 import pulumi
@@ -285,7 +287,7 @@ class Infra:
     def gcp_tag(self, r: Region, model: str, public: bool, clients: bool = True) -> str:
         """Network tag of one model's nodes in one region, with its firewall rules (`clients`:
         as in `aws_group`)."""
-        name = model.replace("@", "-")  # a length bucket (<model>@b<i>): GCP names allow no "@"
+        name = gcp_name(model)
         tag = f"coral-{self.stack}-{name}"[:63].replace(".", "-").rstrip("-")
         if model not in r.groups:
             opts = pulumi.ResourceOptions(provider=r.provider)
@@ -325,9 +327,24 @@ class Infra:
         return tag
 
 
+def gcp_name(model: str) -> str:
+    """A model id as part of a GCP resource name, which allows only lowercase letters, digits
+    and "-": a length bucket's "@" becomes "-" (<model>@b<i> -> <model>-b<i>); any other
+    character GCP refuses (the "." of llama3.1-70b) too, with a digest of the id appended so
+    that two ids never share a name."""
+    name = model.replace("@", "-")
+    safe = re.sub(r"[^a-z0-9-]", "-", name.lower())
+    return name if safe == name else f"{safe}-{hashlib.sha256(model.encode()).hexdigest()[:6]}"
+
+
+# Secrets Manager appends "-" and six random characters to a secret's name in its ARN: matching
+# exactly those keeps a policy for coral/hf-token off coral/hf-token-old or coral/hf-token-2.
+SECRET_SUFFIX = "-??????"
+
+
 def _secret_arns(deploy: DeploySettings) -> str | list[str]:
     """The secrets nodes may read: the Hugging Face token, and the API key when one is set."""
-    arns = [f"arn:aws:secretsmanager:*:*:secret:{deploy.hf_token_secret}-*"]
+    arns = [f"arn:aws:secretsmanager:*:*:secret:{deploy.hf_token_secret}{SECRET_SUFFIX}"]
     if deploy.api_key_secret:
-        arns.append(f"arn:aws:secretsmanager:*:*:secret:{deploy.api_key_secret}-*")
+        arns.append(f"arn:aws:secretsmanager:*:*:secret:{deploy.api_key_secret}{SECRET_SUFFIX}")
     return arns[0] if len(arns) == 1 else arns

@@ -69,7 +69,8 @@ def test_program_wires_the_key_by_name_only(tmp_path, preview):
         assert 'VLLM_API_KEY="$(api_key)"' in text and "export VLLM_API_KEY" in text
         assert '--secret-id "${CORAL_API_KEY_SECRET}"' in text
     node_arns = _policy_resources(result, "node-read-hf-token")
-    assert f"arn:aws:secretsmanager:*:*:secret:{SECRET}-*" in node_arns
+    # Secrets Manager's six-character suffix exactly: not another secret sharing the prefix
+    assert f"arn:aws:secretsmanager:*:*:secret:{SECRET}-??????" in node_arns
     (gateway_vm,) = [
         r
         for r in result.of_type("aws:ec2/instance:Instance")
@@ -91,7 +92,7 @@ def test_without_a_key_nothing_changes(tmp_path, preview):
     config = gzip.decompress(base64.b64decode(parameter.inputs["insecureValue"])).decode()
     assert API_KEY_FILE not in config
     assert _policy_resources(result, "node-read-hf-token") == [
-        "arn:aws:secretsmanager:*:*:secret:coral/hf-token-*"
+        "arn:aws:secretsmanager:*:*:secret:coral/hf-token-??????"
     ]
 
 

@@ -6,6 +6,7 @@ cloud-init and shellcheck are Debian tools that `scripts/test` installs.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -21,6 +22,7 @@ from coral_iac.bootstrap import (
     instance_engine,
     node_boots,
     precision_group_bf16,
+    render_start_script,
     render_user_data,
     vllm_argv,
 )
@@ -311,3 +313,61 @@ def test_a_v100_instance_is_refused_with_the_wheels_cuda_reason(perf):
         precision_group_bf16(None, inst, perf.catalog)
     ok = inst.model_copy(update={"nodes": ["t4x1"]})
     assert precision_group_bf16(None, ok, perf.catalog) == [False]
+
+
+def _fetch_uv_program(script: str) -> str:
+    return script.split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_uv_comes_from_its_wheel_without_pip_or_venv(tmp_path, tampered):
+    """Ubuntu 24.04 images have neither pip nor python3-venv: the start script fetches uv's
+    wheel from the index's JSON API with python3's standard library, checks its sha256 and
+    unpacks the binary (a local index on loopback stands in for PyPI)."""
+    import hashlib
+    import http.server
+    import io
+    import platform
+    import threading
+    import zipfile
+
+    version, arch = "0.13.9", platform.machine()
+    name = f"uv-{version}-py3-none-manylinux_2_17_{arch}.manylinux2014_{arch}.whl"
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        z.writestr(f"uv-{version}.data/scripts/uv", "#!/bin/sh\necho uv-stand-in\n")
+    wheel = buf.getvalue()
+    digest = hashlib.sha256(b"other bytes" if tampered else wheel).hexdigest()
+    listing = json.dumps(
+        {"files": [{"filename": name, "url": f"../../files/{name}", "hashes": {"sha256": digest}}]}
+    ).encode()
+
+    class Index(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            body = listing if self.path == "/simple/uv/" else wheel
+            ok = self.path in ("/simple/uv/", f"/files/{name}")
+            self.send_response(200 if ok else 404)
+            self.end_headers()
+            self.wfile.write(body if ok else b"")
+
+        def log_message(self, *_args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Index)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        (single,) = cases()["single-node"]
+        program = _fetch_uv_program(render_start_script(single))
+        index = f"http://127.0.0.1:{server.server_address[1]}/simple"
+        r = subprocess.run(["python3", "-", version, str(tmp_path / "bin"), index],
+                           input=program, capture_output=True, text=True, timeout=60)  # fmt: skip
+    finally:
+        server.shutdown()
+        server.server_close()
+    if tampered:
+        assert r.returncode != 0 and "does not match the index's sha256" in r.stderr
+        assert not (tmp_path / "bin" / "uv").exists()
+    else:
+        assert r.returncode == 0, r.stderr
+        out = subprocess.run([str(tmp_path / "bin" / "uv")], capture_output=True, text=True)
+        assert out.stdout.strip() == "uv-stand-in"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -234,3 +235,15 @@ def test_region_networks_do_not_renumber_when_the_plan_uses_fewer_regions(tmp_pa
     assert {i.region for i in result.plan.instances} == {"us-east-2"}
     vpcs = {v.name: v.inputs["cidrBlock"] for v in result.of_type("aws:ec2/vpc:Vpc")}
     assert vpcs["vpc-us-east-2"] == "10.1.0.0/16"  # its place in the list, not in the plan
+
+
+def test_gcp_names_hold_only_what_gcp_allows():
+    """Regression: firewall names were built from model ids, and GCP refuses the "." of
+    llama3.1-70b. Ids GCP accepts keep their names (no resource is replaced)."""
+    from coral_iac.infra import gcp_name
+
+    ok = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+    for model in ("llama3.1-70b", "qwen3-235b-a22b", "phi-4", "gpt-oss-20b@b1", "Some.Model_X"):
+        assert ok.match(f"fw-{gcp_name(model)}-us-central1-internal"), model
+    assert gcp_name("phi-4") == "phi-4" and gcp_name("gpt-oss-20b@b1") == "gpt-oss-20b-b1"
+    assert gcp_name("llama3.1-70b") != gcp_name("llama3-1-70b")  # never one name for two ids
