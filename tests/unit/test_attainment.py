@@ -301,3 +301,27 @@ def test_a_plan_for_the_traces_own_workloads_holds_on_the_whole_real_trace(perf,
     for a in plan.attainment:
         assert a.replayed is not None and a.replayed >= a.target, a
         assert a.replay_gap <= 0.03, a
+
+
+def test_coral_keeps_the_single_config_search_only_when_it_is_cheaper_at_the_same_targets(
+    perf, dev_library
+):
+    """Coral's closed loop also runs over single-config templates (Cauchy's, a restriction of
+    Coral's search: on staging the mixed search ended at 17.88 $/h and that one at 12.85) and
+    keeps that plan only when it serves as much, meets every target and costs less."""
+    from solver.plan.planner import better_at_target
+
+    fleet = load_stack(REPO / "stacks", "dev")
+    plan = plan_with_library("dev", fleet, perf, dev_library, root=REPO)
+    dearer = plan.model_copy(update={"hourly_cost_usd": plan.hourly_cost_usd + 1.0})
+    single = plan.model_copy(update={"method": "cauchy"})
+    kept = better_at_target(dearer, single)
+    assert kept.method == "coral" and kept.hourly_cost_usd == plan.hourly_cost_usd
+    assert "kept the single-config search's plan" in kept.closed_loop_stop
+    short = [a.model_copy(update={"verified": a.target - 0.01}) for a in single.attainment]
+    assert better_at_target(dearer, single.model_copy(update={"attainment": short})) is dearer
+    less = {m: 0.5 for m in single.served_fractions}
+    assert better_at_target(
+        dearer, single.model_copy(update={"served_fractions": less, "served_fraction": 0.5})
+    ) is dearer
+    assert better_at_target(plan, single) is plan  # not cheaper: Coral's own
