@@ -307,7 +307,7 @@ def fractional_cost(plan: Plan, fleet: FleetConfig) -> float:
     u = fleet.allocation.target_utilization
     total = 0.0
     for j in plan.jobs:
-        need = plan.served_fraction * j.demand / u
+        need = plan.fraction_of(j.model) * j.demand / u
         total += j.usd_per_hour * (min(1.0, need / j.throughput) if j.throughput > 0 else 0.0)
     return total
 
@@ -363,8 +363,9 @@ def lp_relaxation(
 
 
 def relaxed_cost(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -> float:
-    """Cost without whole instances: the LP relaxation for the ILP methods (coral, cauchy), the
-    plan's templates at fractional counts for the greedy ones. Never above the plan's cost."""
+    """Cost without whole instances: the LP relaxation for coral and cauchy (at the least served
+    fraction), the plan's templates at fractional counts for the others. Never above the
+    plan's cost."""
     frac = fractional_cost(p.plan, fleet)
     if method not in ("coral", "cauchy") or not p.plan.instances:
         return frac
@@ -385,8 +386,8 @@ def relaxed_cost(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method
 
 
 def goodput(plan: Plan, fleet: FleetConfig) -> float:
-    """Output tokens/s that meet the SLOs: served fraction x each model's output tokens/s x its
-    verified (else planned) attainment."""
+    """Output tokens/s that meet the SLOs: each model's served fraction x its output tokens/s x
+    its verified (else planned) attainment."""
     att = {
         a.model: a.verified if a.verified is not None else (a.planned or 0.0)
         for a in plan.attainment
@@ -395,7 +396,7 @@ def goodput(plan: Plan, fleet: FleetConfig) -> float:
     for m, spec in fleet.models.items():
         d = spec.phase_demand()
         tokens = d.get("decode", d.get("aggregated", 0.0) * spec.mean_output_tokens)
-        total += plan.served_fraction * tokens * att.get(m, 0.0)
+        total += plan.fraction_of(m) * tokens * att.get(m, 0.0)
     return total
 
 
@@ -420,6 +421,8 @@ def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -
         "gpus": plan.gpus(cat),
         "gpus_by_type": dict(sorted(gpus_by_type.items())),
         "served_fraction": plan.served_fraction,
+        "served_fractions": plan.served_fractions,
+        "serves_any": plan.serves_any(),
         "goodput_tokens_per_s": round(goodput(plan, fleet), 2),
         "min_verified": min(
             (a.verified for a in plan.attainment if a.verified is not None), default=None
@@ -464,7 +467,7 @@ def job_breakdown(plan: Plan, fleet: FleetConfig) -> dict[str, dict[str, float]]
             "usd_per_hour": round(sum(i.usd_per_hour for i in mine), 4),
             "library_throughput": round(library, 3),
             "capacity": round(sum(i.throughput for i in mine), 3),
-            "need": round(plan.served_fraction * j.demand / u, 3),
+            "need": round(plan.fraction_of(j.model) * j.demand / u, 3),
         }
     return out
 
@@ -487,7 +490,7 @@ def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | bool
     def div(a: float | None, d: float | None) -> float | None:
         return a / d if a is not None and d else None
 
-    if not b["served_fraction"]:
+    if not b.get("serves_any", b["served_fraction"]):
         return {
             "cost": None,
             "cost_relaxed": None,
@@ -499,7 +502,7 @@ def ratios(rows: dict[str, dict[str, Any]], base: str) -> dict[str, float | bool
         "cost": div(b["usd_per_hour"], c["usd_per_hour"]),
         "cost_relaxed": div(b["relaxed_usd_per_hour"], c["relaxed_usd_per_hour"]),
         "goodput": div(c["goodput_tokens_per_s"], b["goodput_tokens_per_s"]),
-        "served": div(c["served_fraction"], b["served_fraction"]),
+        "served": div(c["served_fraction"], b["served_fraction"]),  # the least served models'
     }
 
 

@@ -81,15 +81,13 @@ def bench_row(
     name: str, mode: str, method: str, fleet: Any, perf: Any, libs: Any, label: str | None = None
 ) -> dict[str, Any]:
     """One method planned to the stack's attainment targets (the same capacity model and closed
-    loop for every method), verified on the workload the planner never saw; `label` names the
-    row when it is not the method's own name."""
-    from solver.plan.attainment import plan_to_target, simulate_workload
-    from solver.plan.planner import plan_stack
+    loop for every method, as `coral plan` runs them: Coral's also over single-config templates),
+    verified on the workload the planner never saw; `label` names the row when it is not the
+    method's own name."""
+    from solver.plan.attainment import simulate_workload
+    from solver.plan.planner import plan_to_targets
 
-    def solve(factors: dict[str, float]) -> Any:
-        return plan_stack(name, fleet, perf.catalog, libs, method=method, factors=factors)  # type: ignore[arg-type]
-
-    plan = plan_to_target(fleet, perf, libs, solve, stacks_dir().parent)
+    plan = plan_to_targets(name, fleet, perf, libs, method=method, root=stacks_dir().parent)  # type: ignore[arg-type]
     sim = simulate_workload(
         plan, fleet, perf, "verify", fleet.attainment.verify_minutes * 60, stacks_dir().parent
     )

@@ -128,6 +128,23 @@ def add_demand(
         solver.Add(supply >= need, name=f"demand[{job[0]}/{job[1]}]")
 
 
+def add_one_config(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> None:
+    """One node config per job (Cauchy's phase-homogeneous replicas): binary y[m,c] per job m
+    and node config c its columns use, sum_c y[m,c] <= 1, and nu[r,t] <= ub[r,t] y[m,c(t)]."""
+    by_job: dict[Job, dict[tuple[str, ...], list[int]]] = {}
+    for i, c in enumerate(problem.columns):
+        config = tuple(n for n, _ in c.usage)
+        by_job.setdefault(c.job, {}).setdefault(config, []).append(i)
+    for job, configs in sorted(by_job.items()):
+        chosen = []
+        for config, idx in sorted(configs.items()):
+            y = solver.BoolVar(f"one[{job[0]}/{job[1]},{'+'.join(config)}]")
+            chosen.append(y)
+            for i in idx:
+                solver.Add(nu[i] <= nu[i].ub() * y, name=f"one_config{column_name(problem, i)}")
+        solver.Add(solver.Sum(chosen) <= 1, name=f"one_config[{job[0]}/{job[1]}]")
+
+
 def add_colocation(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> None:
     """Colocation, for every disaggregated model m and region r, with open[m,r] binary and
     ph in (prefill, decode): open[m,r] <= sum_{t of (m, ph)} nu[r,t] <= M open[m,r], M the sum

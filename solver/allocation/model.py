@@ -22,6 +22,7 @@ from solver.allocation.constraints import (
     add_demand,
     add_gpu_pools,
     add_keep_running,
+    add_one_config,
     instance_counts,
     node_usage,
 )
@@ -89,6 +90,8 @@ class IlpModel:
             add_colocation(solver, problem, self.nu)
         if s.add_only:
             add_keep_running(solver, problem, self.nu)
+        if problem.one_config_per_job:
+            add_one_config(solver, problem, self.nu)
         self.cost = hourly_cost(solver, problem, self.nu)
         if s.budget_usd_per_hour is not None:
             add_budget(solver, self.cost, s.budget_usd_per_hour)

@@ -40,6 +40,9 @@ class Problem:
     running: dict[RunningKey, int] = field(default_factory=dict)  # nu0
     # Under scarcity, higher-priority models are served first (model -> priority, default 0).
     priorities: dict[str, int] = field(default_factory=dict)
+    # Each (model, phase) on one node config (Cauchy's phase-homogeneous replicas, the paper's
+    # cauchy-paper baseline): `constraints.add_one_config`.
+    one_config_per_job: bool = False
 
 
 @dataclass(frozen=True)

@@ -120,6 +120,8 @@ def undominated(problem: Problem, by_price: bool = True) -> list[int]:
     Returns:
         The kept indices, in order.
     """
+    if problem.one_config_per_job:  # swapping k for j may break the job's one config
+        return list(range(len(problem.columns)))
     groups: dict[tuple[Job, RegionId], list[int]] = {}
     for i, c in enumerate(problem.columns):
         usable = upper_bound(c, problem.market, problem.demand[c.job]) > 0

@@ -14,7 +14,7 @@ from solver.allocation.problem import Column, Problem, Solution, make_columns
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market, build_market
 from solver.catalog.offers import Catalog
-from solver.errors import InputError, StaleLibraryError
+from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
 from solver.plan.demand import capacity_needed, stack_demand
@@ -246,6 +246,50 @@ def plan_stack(
     )
 
 
+def plan_to_targets(
+    stack: str,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    libs: dict[Job, Library],
+    previous: Plan | None = None,
+    method: Method = "coral",
+    root: Path | None = None,
+    on_round: Callable[[str], None] | None = None,
+    cache: Path | None = None,
+) -> Plan:
+    """The method planned to the models' SLO attainment targets (the closed loop and the
+    verification, `attainment.plan_to_target`). For Coral the loop also runs over single-config
+    templates, and the better plan is kept (`better_at_target`)."""
+    from solver.plan.attainment import plan_to_target
+
+    def solve(factors: dict[str, float]) -> Plan:
+        return plan_stack(stack, fleet, perf.catalog, libs, previous, method=method, factors=factors)
+
+    plan = plan_to_target(fleet, perf, libs, solve, root, on_round, cache=cache)
+    if method != "coral" or fleet.attainment.rounds == 0:
+        return plan
+    # The closed loop is a search over whole instances, and its path depends on where it
+    # starts: on staging it ended at 17.88 $/h where the same loop over single-config
+    # templates (Cauchy's, a restriction of Coral's) ended at 12.85 at the same targets.
+    # Every plan of that restricted search is a Coral plan, so Coral keeps the better.
+
+    def solve_single(factors: dict[str, float]) -> Plan:
+        return plan_stack(
+            stack, fleet, perf.catalog, libs, previous, method="cauchy", factors=factors
+        )
+
+    def said(line: str) -> None:
+        if on_round:
+            on_round(f"single-config search, {line}")
+
+    try:
+        single = plan_to_target(fleet, perf, libs, solve_single, root, said, cache=cache)
+    except CoralError as exc:  # the restricted search is a second opinion: Coral's plan stands
+        said(f"failed: {exc}")
+        return plan
+    return better_at_target(plan, single)
+
+
 def better_at_target(coral: Plan, single: Plan) -> Plan:
     """Coral's closed-loop plan, or the plan of the same loop over single-config templates
     (a restriction of Coral's search, so a Coral plan too) when that one serves at least as
@@ -293,7 +337,6 @@ def plan_with_library(
     relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
     `force`: build into a library folder another stack owns.
     """
-    from solver.plan.attainment import plan_to_target
     from solver.plan.length_routing import plan_routed
 
     loaded: dict[Job, Library] = {}
@@ -313,30 +356,9 @@ def plan_with_library(
         )
         loaded.update(libs)
 
-        def solve(factors: dict[str, float]) -> Plan:
-            return plan_stack(stack, planned_fleet, perf.catalog, libs, previous, method, factors)
-
-        plan = plan_to_target(planned_fleet, perf, libs, solve, root, on_round, cache=directory)
-        if method != "coral" or planned_fleet.attainment.rounds == 0:
-            return plan
-        # The closed loop is a search over whole instances, and its path depends on where it
-        # starts: on staging it ended at 17.88 $/h where the same loop over single-config
-        # templates (Cauchy's, a restriction of Coral's) ended at 12.85 at the same targets.
-        # Every plan of that restricted search is a Coral plan, so Coral keeps the better.
-        def solve_single(factors: dict[str, float]) -> Plan:
-            return plan_stack(
-                stack, planned_fleet, perf.catalog, libs, previous, "cauchy", factors
-            )
-
-        def said(line: str) -> None:
-            if on_round:
-                on_round(f"single-config search, {line}")
-
-        single = plan_to_target(
-            planned_fleet, perf, libs, solve_single, root, said, cache=directory
+        return plan_to_targets(
+            stack, planned_fleet, perf, libs, previous, method, root, on_round, directory
         )
-        return better_at_target(plan, single)
-
 
     plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)
     jobs = set(stack_demand(planned_fleet))

@@ -86,13 +86,15 @@ def test_cauchy_picks_each_phase_and_one_prefill_feeds_several_decodes():
     assert bought(cols, homo.counts) == {("prefill", "y", 1): 1, ("decode", "y", 1): 3}
 
 
-def test_cauchy_falls_back_then_scales_demand_down_when_nodes_run_out():
+def test_cauchy_serves_what_the_nodes_allow_on_one_config_per_phase():
     """Two y nodes and one x: decode gets 2 x 100 on y, prefill the x; 300 decode units cannot
-    be met, so demand scales to 2/3 (bisection), and the binding names the full slots."""
+    be met, so 2/3 of demand is served, and the binding names the full slots. Decode cannot
+    add the x node to its y nodes: one node config per phase (Cauchy's ILP)."""
     f, market, columns = hand_built(avail_x=1, avail_y=2)
-    _, s = paper_baseline("cauchy-paper", f, market, {PRE: 100.0, DEC: 300.0}, columns)
+    cols, s = paper_baseline("cauchy-paper", f, market, {PRE: 100.0, DEC: 300.0}, columns)
     assert s.fraction == pytest.approx(2 / 3, abs=1e-3) and s.fraction <= 2 / 3
-    assert any("cauchy-paper serves" in b and "no room" in b for b in s.binding)
+    assert bought(cols, s.counts) == {("prefill", "x", 1): 1, ("decode", "y", 1): 2}
+    assert any(b.startswith("aws:r y: all 2 available nodes are in use") for b in s.binding)
 
 
 def test_cauchy_paper_refuses_colocated_phases():
