@@ -244,9 +244,12 @@ def parameter_name(stack: str) -> str:
     return f"/coral/{stack}/gateway/haproxy.cfg"
 
 
-def render_gateway_user_data(stack: str, region: str, api_key_secret: str | None = None) -> str:
-    """The gateway VM's `#cloud-config`: HAProxy, and a timer that loads its configuration
-    (and the API key from Secrets Manager when `api_key_secret` names one)."""
+def render_gateway_user_data(
+    stack: str, region: str, port: int, api_key_secret: str | None = None
+) -> str:
+    """The gateway VM's `#cloud-config`: HAProxy with a configuration that answers 503 on
+    `port` until the first sync, and a timer that loads the plan's configuration (and the API
+    key from Secrets Manager when `api_key_secret` names one)."""
     env = _environment()
     values = {
         "stack": stack,
@@ -257,7 +260,10 @@ def render_gateway_user_data(stack: str, region: str, api_key_secret: str | None
         "api_key_file": API_KEY_FILE,
     }
     sync = env.get_template("gateway-sync.sh.j2").render(**values)
-    return env.get_template("cloud-config.yaml.j2").render(sync_script=sync, **values)
+    initial = env.get_template("haproxy-initial.cfg.j2").render(stack=stack, port=port)
+    return env.get_template("cloud-config.yaml.j2").render(
+        sync_script=sync, initial_config=initial, **values
+    )
 
 
 def gateway_region(fleet: FleetConfig, settings: GatewaySettings) -> str | None:
@@ -336,7 +342,9 @@ class Gateway(pulumi.ComponentResource):
             vpc_security_group_ids=[group.id],
             iam_instance_profile=self._identity(name, args),
             # The user-data holds no plan (module doc): only a settings change replaces it.
-            user_data=render_gateway_user_data(args.stack, args.region, args.api_key_secret),
+            user_data=render_gateway_user_data(
+                args.stack, args.region, args.api_port, args.api_key_secret
+            ),
             user_data_replace_on_change=True,
             metadata_options={
                 "http_tokens": "required",

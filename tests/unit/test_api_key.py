@@ -300,7 +300,7 @@ def test_rendered_scripts_with_a_key_pass_shellcheck(tmp_path, preview):
         for f in doc["write_files"]:
             if f["path"].startswith("/usr/local/bin/"):
                 scripts.append(f["content"])
-    sync = yaml.safe_load(render_gateway_user_data("keyed", "us-east-2", SECRET))
+    sync = yaml.safe_load(render_gateway_user_data("keyed", "us-east-2", 8000, SECRET))
     (synced,) = [f["content"] for f in sync["write_files"] if f["path"].startswith("/usr/local")]
     assert synced in scripts and "secretsmanager get-secret-value" in synced  # the gateway VM's
     assert len(scripts) >= 3

@@ -121,7 +121,7 @@ def golden_cases() -> dict[str, str]:
         "disaggregated/haproxy.cfg": render_haproxy_config(
             gateway_upstreams(dis, addresses(dis), states), "golden", 8000, 2000
         ),
-        "cloud-config.yaml": render_gateway_user_data("golden", "us-east-2"),
+        "cloud-config.yaml": render_gateway_user_data("golden", "us-east-2", 8000),
     }
 
 
@@ -422,3 +422,79 @@ def test_a_gateway_in_another_aws_region_keeps_the_fleets_networks(tmp_path, pre
     ]
     config = config_of(result)
     assert decode_heads and all(f" {_ip('198.51', h.name)}:8000 " in config for h in decode_heads)
+
+
+def _files(user_data: str) -> dict[str, str]:
+    return {w["path"]: w["content"] for w in yaml.safe_load(user_data)["write_files"]}
+
+
+def test_haproxy_starts_unprivileged_before_the_first_sync(tmp_path):
+    """Regression: HAProxy ran as User=haproxy with Debian's default configuration, whose
+    `chroot /var/lib/haproxy` it cannot do unprivileged: it failed at boot. The gateway now
+    writes a configuration of its own first; real HAProxy runs it and answers 503."""
+    import socket
+    import time
+    import urllib.error
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg_text = _files(render_gateway_user_data("golden", "us-east-2", port))["/etc/haproxy/haproxy.cfg"]
+    assert not {"chroot", "user", "daemon"} & {line.split()[0] for line in cfg_text.splitlines()
+                                                if line.strip() and not line.startswith("#")}  # fmt: skip
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(cfg_text)
+    check = subprocess.run([_tool("haproxy"), "-c", "-f", str(cfg)], capture_output=True, text=True)
+    assert check.returncode == 0, check.stdout + check.stderr
+    proc = subprocess.Popen([_tool("haproxy"), "-db", "-f", str(cfg)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)  # fmt: skip
+    try:
+        status = 0
+        for _ in range(50):
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            except urllib.error.HTTPError as e:
+                status = e.code
+                break
+            except OSError:
+                time.sleep(0.1)
+        assert status == 503
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.parametrize("active", [True, False])
+def test_the_sync_starts_a_stopped_haproxy_even_when_the_configuration_is_unchanged(
+    tmp_path, active
+):
+    """Regression: the sync reloaded HAProxy only when the configuration changed, so an HAProxy
+    that had failed stayed down at every later poll. The rendered script runs here with
+    stand-ins for aws and systemctl on PATH and its paths under tmp_path."""
+    config = golden_cases()["aggregated/haproxy.cfg"]
+    live = tmp_path / "haproxy.cfg"
+    live.write_text(config)
+    script = _files(render_gateway_user_data("golden", "us-east-2", 8000))[
+        "/usr/local/bin/coral-gateway-sync"
+    ].replace("/etc/haproxy/haproxy.cfg", str(live))
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "aws").write_text(f"#!/bin/sh\necho {parameter_value(config)}\n")
+    calls = tmp_path / "calls"
+    (bin_dir / "systemctl").write_text(
+        f'#!/bin/sh\necho "$*" >> {calls}\n'
+        f'[ "$1" = is-active ] && exit {0 if active else 3}\nexit 0\n'
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    (tmp_path / "sync").write_text(script)
+    env = os.environ | {"PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", str(tmp_path / "sync")], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    done = calls.read_text().splitlines()
+    if active:
+        assert done == ["is-active --quiet haproxy.service"]
+    else:
+        assert done[-2:] == ["reset-failed haproxy.service", "reload-or-restart haproxy.service"]
+        assert "HAProxy is not running" in r.stderr
