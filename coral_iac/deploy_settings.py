@@ -81,7 +81,14 @@ class DeploySettings(BaseModel):
         default="/aws/service/deeplearning/ami/x86_64/"
         "base-oss-nvidia-driver-gpu-ubuntu-24.04/latest/ami-id",
         description="Public SSM parameter holding the Deep Learning AMI id (per region); Ubuntu "
-        "24.04's Python 3.12 runs vLLM 0.33.0 (coral_iac/data/images.yaml).",
+        "24.04's Python 3.12 runs vLLM 0.33.0 (coral_iac/data/images.yaml). Read once per "
+        "region: the id is recorded in the stack's `images` output and kept (`refresh_images`).",
+    )
+    refresh_images: bool = Field(
+        default=False,
+        description="Read aws_ami_parameter again for every AWS region (the newest image). Off, "
+        "each region keeps the image the stack first resolved, so a new DLAMI release never "
+        "replaces running nodes; on, every AWS node whose image changed is replaced at once.",
     )
     gcp_image: str = Field(
         default="projects/deeplearning-platform-release/global/images/family/"

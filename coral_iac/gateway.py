@@ -330,10 +330,9 @@ class Gateway(pulumi.ComponentResource):
             tags=tags,
             opts=self._child,
         )
-        image = aws.ssm.get_parameter_output(
-            name=args.settings.ami_parameter,
-            opts=pulumi.InvokeOutputOptions(provider=region.provider, parent=self),
-        ).value
+        image = infra.aws_image(
+            f"gateway:{args.region}", args.settings.ami_parameter, region.provider
+        )
         vm = aws.ec2.Instance(
             name,
             ami=image,

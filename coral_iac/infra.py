@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import pulumi
@@ -85,13 +86,21 @@ class Infra:
     """Creates shared resources on first use, so unused regions and clouds cost nothing."""
 
     def __init__(
-        self, stack: str, deploy: DeploySettings, order: list[tuple[str, str]] | None = None
+        self,
+        stack: str,
+        deploy: DeploySettings,
+        order: list[tuple[str, str]] | None = None,
+        images: Mapping[str, str] | None = None,
     ) -> None:
         """`order`: the stack's (cloud, region) list, coral:fleet.regions. A region's network
         CIDR comes from its place there, so plans using more or fewer regions never renumber
-        (and replace) another region's network; add regions at the end."""
+        (and replace) another region's network; add regions at the end. `images`: the AMI id
+        each AWS region was deployed with (the stack's `images` output), kept unless
+        `deploy.refresh_images`."""
         self.stack, self.deploy = stack, deploy
         self.order = list(order or [])
+        self.recorded_images = dict(images or {})
+        self.images: dict[str, pulumi.Input[str]] = {}  # `aws_image` key -> the AMI in use
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
         self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
@@ -109,13 +118,27 @@ class Infra:
 
     # ---------------------------------------------------------------- AWS
 
+    def aws_image(
+        self, key: str, parameter: str, provider: pulumi.ProviderResource
+    ) -> pulumi.Input[str]:
+        """The AMI of the nodes recorded under `key` (an AWS region for GPU nodes,
+        "gateway:<region>" for the gateway): the one recorded at the stack's first deploy, or
+        (first deploy, or `deploy.refresh_images`) the SSM `parameter`'s current value. A new
+        image release then never changes `ami`, which would replace those nodes at once."""
+        if key not in self.images:
+            recorded = self.recorded_images.get(key)
+            if recorded and not self.deploy.refresh_images:
+                self.images[key] = recorded
+            else:
+                self.images[key] = aws.ssm.get_parameter_output(
+                    name=parameter, opts=pulumi.InvokeOutputOptions(provider=provider)
+                ).value
+        return self.images[key]
+
     def _aws(self, region: str, index: int) -> Region:
         provider = aws.Provider(f"aws-{region}", region=region)
         opts = pulumi.ResourceOptions(provider=provider)
-        image = aws.ssm.get_parameter_output(
-            name=self.deploy.aws_ami_parameter,
-            opts=pulumi.InvokeOutputOptions(provider=provider),
-        ).value
+        image = self.aws_image(region, self.deploy.aws_ami_parameter, provider)
         tags = {"coral:stack": self.stack}
         cidr = f"10.{index}.0.0/16"
         vpc = aws.ec2.Vpc(

@@ -88,9 +88,9 @@ def read_stack_config() -> tuple[FleetConfig, DeploySettings]:
     return parse_fleet(config, "stack config"), parse_deploy(config, "stack config")
 
 
-def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None]:
-    """The plan and fleet state this stack last deployed, from its own `plan` and
-    `fleet_state` outputs (None on a new stack)."""
+def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None, dict[str, str]]:
+    """The plan, fleet state and images this stack last deployed, from its own `plan`,
+    `fleet_state` and `images` outputs (None, None and {} on a new stack)."""
     ref = pulumi.StackReference(
         f"{pulumi.get_organization()}/{pulumi.get_project()}/{stack}",
         opts=pulumi.ResourceOptions(retain_on_delete=True),
@@ -105,10 +105,11 @@ def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None]:
         value = details.value if details.value is not None else details.secret_value
         return str(value) if value else None
 
-    plan, state = text("plan"), text("fleet_state")
+    plan, state, images = text("plan"), text("fleet_state"), text("images")
     return (
         Plan.model_validate_json(plan) if plan else None,
         FleetState.model_validate_json(state) if state else None,
+        {str(k): str(v) for k, v in json.loads(images).items()} if images else {},
     )
 
 
@@ -161,6 +162,7 @@ def declare(
     stack: str,
     states: Mapping[str, str] | None = None,
     peers: Mapping[str, list[str]] | None = None,
+    images: Mapping[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
     the gateway's outputs (none when `deploy.gateway.enabled` is false).
@@ -168,8 +170,9 @@ def declare(
     `states` (instance key -> starting, ready, retiring or draining) sets what the gateway
     sends each instance: no new requests to draining ones. `peers` (decode instance key ->
     prefill instance keys) sets whom each decode router sends prompts to; by default every
-    prefill instance of its model in its region."""
-    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions])
+    prefill instance of its model in its region. `images`: the AMIs the stack last deployed
+    with (`Infra.aws_image`); the outputs get the ones in use as `images`."""
+    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[str, pulumi.Output[str]] = {}  # prefill instance key -> head IP
@@ -260,6 +263,10 @@ def declare(
         except CoralError as e:
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
+    keys = sorted(infra.images)
+    outputs["images"] = pulumi.Output.all(*(infra.images[k] for k in keys)).apply(
+        lambda amis: json.dumps(dict(zip(keys, amis, strict=True)), sort_keys=True)
+    )
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
 
 
@@ -368,7 +375,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     try:
         fleet, deploy = read_stack_config()
         fleet = resolve_demand(fleet, stack, options.stacks_dir, warn=pulumi.log.warn)
-        previous, previous_state = previous_outputs(stack)
+        previous, previous_state, images = previous_outputs(stack)
         perf = load_perf_model()
         # The plan knows nothing of the gateway: the allocation gets the budget less its $/hour.
         gateway_usd = gateway_cost(fleet, deploy)
@@ -407,6 +414,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         stack,
         states,
         peers,
+        images,
     )
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:
@@ -424,7 +432,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         "served_fractions": plan.served_fractions,
         "instances_by_region": by_region,
         "endpoints": endpoints,
-        **gateway,  # gateway, gateway_endpoints
+        **gateway,  # gateway, gateway_endpoints, images
         "plan": json.dumps(plan.model_dump(mode="json"), sort_keys=True),
         "declared_hourly_cost_usd": state.hourly_cost_usd() + extra_usd,
         "instances_by_state": state.by_state(),

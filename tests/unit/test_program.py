@@ -247,3 +247,25 @@ def test_gcp_names_hold_only_what_gcp_allows():
         assert ok.match(f"fw-{gcp_name(model)}-us-central1-internal"), model
     assert gcp_name("phi-4") == "phi-4" and gcp_name("gpt-oss-20b@b1") == "gpt-oss-20b-b1"
     assert gcp_name("llama3.1-70b") != gcp_name("llama3-1-70b")  # never one name for two ids
+
+
+def test_nodes_keep_the_image_the_stack_first_deployed(tmp_path, preview):
+    """Regression: the AMI was read from SSM's "latest" parameter on every run, so a new DLAMI
+    release (every 1-2 weeks) changed `ami` and replaced every node and the gateway at once. It
+    is now resolved once per region, recorded in the `images` output and kept."""
+    first = preview("dev", REPO / "stacks")
+    images = json.loads(first.outputs["images"])
+    assert images == {"us-east-2": "ami-0mock0dlami0gpu", "gateway:us-east-2": "ami-0mock0dlami0gpu"}
+    recorded = {"us-east-2": "ami-0recorded0gpu", "gateway:us-east-2": "ami-0recorded0gw"}
+    again = preview("dev", REPO / "stacks", previous_outputs=first.outputs | {
+        "images": json.dumps(recorded)})  # fmt: skip
+    amis = {r.inputs["ami"] for r in again.of_type("aws:ec2/instance:Instance")}
+    assert amis == {"ami-0recorded0gpu", "ami-0recorded0gw"}  # not SSM's newer one
+    assert json.loads(again.outputs["images"]) == recorded
+    # An explicit upgrade reads SSM again.
+    stacks = stacks_with(tmp_path, "dev", deploy={"refresh_images": True})
+    upgraded = preview("dev", stacks, previous_outputs=first.outputs | {
+        "images": json.dumps(recorded)})  # fmt: skip
+    assert {r.inputs["ami"] for r in upgraded.of_type("aws:ec2/instance:Instance")} == {
+        "ami-0mock0dlami0gpu"
+    }
