@@ -39,6 +39,7 @@ class ServingInstanceArgs:
     weights_gb: float  # the card's weights (the disk's estimate where no file size is sourced)
     disk_headroom_gb: int
     router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
+    subnet_id: pulumi.Input[str] | None = None  # AWS: the zone's subnet (`Infra.aws_node_subnet`)
 
 
 class ServingInstance(pulumi.ComponentResource):
@@ -124,7 +125,7 @@ def _aws_node(
         name,
         ami=args.region.image,
         instance_type=offer.instance_type,
-        subnet_id=args.region.subnet_id,
+        subnet_id=args.subnet_id or args.region.subnet_id,
         vpc_security_group_ids=[args.group],
         iam_instance_profile=args.identity.aws_instance_profile,
         user_data=user_data,

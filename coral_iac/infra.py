@@ -59,9 +59,12 @@ class Region:
     provider: pulumi.ProviderResource
     image: pulumi.Input[str]
     subnet_id: pulumi.Output[str]
-    network: pulumi.Output[str] | None = None  # GCP network self-link
+    network: pulumi.Output[str] | None = None  # GCP network self-link; AWS VPC id
     zone: str = ""
     groups: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # model -> SG id / tag
+    index: int = 0  # the region's place in coral:fleet.regions (its CIDR block)
+    routes: pulumi.Output[str] | None = None  # AWS route table id
+    zone_subnets: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # AWS AZ -> subnet
 
 
 @dataclass(frozen=True)
@@ -165,9 +168,62 @@ class Infra:
         )
         if self.identity.aws_instance_profile is None:
             self.identity.aws_instance_profile = self._aws_identity(provider)
-        r = Region("aws", region, provider, image, subnet.id)
+        r = Region("aws", region, provider, image, subnet.id, index=index)
         r.network = vpc.id
+        r.routes = routes.id
         return r
+
+    def aws_node_subnet(self, r: Region, instance_types: list[str]) -> pulumi.Output[str]:
+        """The subnet of a replica's AWS nodes: one in the first availability zone (by name)
+        that offers every one of its instance types (EC2's instance type offerings), so a
+        launch never fails with "not supported in your requested Availability Zone" (a
+        region's default subnet sits in a zone AWS picks). One subnet per zone, created on
+        first use, 10.<region>.<16 (k + 1)>.0/20 for zone letter k.
+
+        Raises:
+            pulumi.RunError: no zone of the region offers all of them.
+        """
+        invoke = pulumi.InvokeOptions(provider=r.provider)
+        types = sorted(set(instance_types))
+        zones = aws.get_availability_zones(
+            state="available",
+            filters=[{"name": "opt-in-status", "values": ["opt-in-not-required"]}],
+            opts=invoke,
+        ).names
+        offered = aws.ec2.get_instance_type_offerings(
+            location_type="availability-zone",
+            filters=[{"name": "instance-type", "values": types}],
+            opts=invoke,
+        )
+        where: dict[str, set[str]] = {}
+        for t, zone in zip(offered.instance_types, offered.locations, strict=True):
+            where.setdefault(t, set()).add(zone)
+        fit = sorted(z for z in zones if all(z in where.get(t, set()) for t in types))
+        if not fit:
+            raise pulumi.RunError(
+                f"no availability zone of aws:{r.region} offers {', '.join(types)} together "
+                f"(offered: {', '.join(f'{t} in {sorted(where.get(t, set()))}' for t in types)}); "
+                "plan without those node configs there (e.g. remove them from "
+                "coral:fleet.availability for this region)"
+            )
+        zone = fit[0]
+        if zone not in r.zone_subnets:
+            k = ord(zone[-1]) - ord("a")
+            opts = pulumi.ResourceOptions(provider=r.provider)
+            subnet = aws.ec2.Subnet(
+                f"subnet-{zone}",
+                vpc_id=r.network,
+                availability_zone=zone,
+                cidr_block=f"10.{r.index}.{16 * (k + 1)}.0/20",
+                map_public_ip_on_launch=True,
+                tags={"coral:stack": self.stack},
+                opts=opts,
+            )
+            aws.ec2.RouteTableAssociation(
+                f"routes-{zone}", subnet_id=subnet.id, route_table_id=r.routes, opts=opts
+            )
+            r.zone_subnets[zone] = subnet.id
+        return r.zone_subnets[zone]
 
     def _aws_identity(self, provider: pulumi.ProviderResource) -> pulumi.Output[str]:
         opts = pulumi.ResourceOptions(provider=provider)

@@ -40,6 +40,8 @@ class CoralMocks(pulumi.runtime.Mocks):
 
     previous_outputs: dict[str, Any] = field(default_factory=dict)
     resources: list[Recorded] = field(default_factory=list)
+    # (instance type, zone) pairs EC2 does not offer; every other pair is offered in zones a-c
+    not_offered: set[tuple[str, str]] = field(default_factory=set)
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         self.resources.append(Recorded(args.typ, args.name, dict(args.inputs), args.provider))
@@ -61,6 +63,24 @@ class CoralMocks(pulumi.runtime.Mocks):
         return f"{args.name}-id", state
 
     def call(self, args: pulumi.runtime.MockCallArgs) -> tuple[dict[str, Any], list[Any]]:
+        region = _provider_region(args.provider)
+        if args.token == "aws:index/getAvailabilityZones:getAvailabilityZones":
+            names = [f"{region}{z}" for z in "abc"]
+            return {"names": names, "zoneIds": names, "state": "available", "id": region}, []
+        if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
+            (types,) = [f["values"] for f in args.args.get("filters", [])]
+            pairs = [
+                (t, f"{region}{z}")
+                for t in types
+                for z in "abc"
+                if (t, f"{region}{z}") not in self.not_offered
+            ]
+            return {
+                "instanceTypes": [t for t, _ in pairs],
+                "locations": [z for _, z in pairs],
+                "locationTypes": ["availability-zone"] * len(pairs),
+                "id": region,
+            }, []
         if args.token == "aws:ssm/getParameter:getParameter":
             return {
                 "name": args.args.get("name"),
@@ -68,6 +88,12 @@ class CoralMocks(pulumi.runtime.Mocks):
                 "value": "ami-0mock0dlami0gpu",
             }, []
         return {}, []
+
+
+def _provider_region(provider: str | None) -> str:
+    """The region of an `aws-<region>` provider's URN ("us-east-2" when there is none)."""
+    name = (provider or "").split("::")[-2] if provider and "::" in provider else ""
+    return name.removeprefix("aws-") if name.startswith("aws-") else "us-east-2"
 
 
 def _ip(prefix: str, name: str) -> str:
@@ -108,15 +134,16 @@ def preview_stack(
     options: ProgramOptions,
     previous: Plan | None = None,
     previous_outputs: dict[str, Any] | None = None,
+    not_offered: set[tuple[str, str]] | None = None,
 ) -> PreviewResult:
     """Run the program for `stack` under mocks, with `options` (stacks and library folders,
     whether a stale library is rebuilt as `coral plan` does, the clock). The stack's last
     outputs are `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the
-    plan `previous`."""
+    plan `previous`. `not_offered`: (instance type, zone) pairs EC2's offerings leave out."""
     config = stack_config(options.stacks_dir, stack)
     if previous_outputs is None:
         previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
-    mocks = CoralMocks(previous_outputs)
+    mocks = CoralMocks(previous_outputs, not_offered=set(not_offered or ()))
     # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
     pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=False)
     pulumi.runtime.set_all_config(

@@ -223,6 +223,11 @@ def declare(
             else infra.gcp_tag(region, inst.model, _has_endpoint(plan, inst), clients)
         )
         offers = [_offer(perf, inst, n) for n in template.nodes]
+        subnet = (
+            infra.aws_node_subnet(region, [o.instance_type for o in offers])
+            if inst.cloud == "aws"
+            else None
+        )
         router_ips = (
             [prefill_heads[k] for k in (peers or {}).get(inst.key) or router_peers(plan, inst)]
             if inst.phase == "decode"
@@ -244,6 +249,7 @@ def declare(
                 weights_gb=card.weight_bytes / 1e9,
                 disk_headroom_gb=deploy.disk_headroom_gb,
                 router_prefill_ips=router_ips,
+                subnet_id=subnet,
             ),
         )
         if inst.phase == "prefill":

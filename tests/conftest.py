@@ -44,9 +44,10 @@ def preview(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., PreviewRe
         previous_outputs: dict[str, Any] | None = None,
         now: datetime | None = None,
         rebuild_stale: bool = False,
+        not_offered: set[tuple[str, str]] | None = None,
     ) -> PreviewResult:
         clock = (lambda: now) if now is not None else utc_now
         options = ProgramOptions(stacks_dir, library_root, None, rebuild_stale, clock)
-        return preview_stack(stack, options, previous, previous_outputs)
+        return preview_stack(stack, options, previous, previous_outputs, not_offered)
 
     return run

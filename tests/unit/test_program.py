@@ -269,3 +269,27 @@ def test_nodes_keep_the_image_the_stack_first_deployed(tmp_path, preview):
     assert {r.inputs["ami"] for r in upgraded.of_type("aws:ec2/instance:Instance")} == {
         "ami-0mock0dlami0gpu"
     }
+
+
+def test_nodes_launch_in_a_zone_that_offers_their_instance_types(tmp_path, preview):
+    """Regression: one subnet per AWS region, in whichever zone AWS picked, so a launch failed
+    with "not supported in your requested Availability Zone" where a planned type is not sold
+    there. Each replica's nodes now go to a subnet in the first zone offering all its types."""
+    from solver.catalog.offers import load_catalog
+
+    catalog = load_catalog()
+    plan = preview("dev", REPO / "stacks").plan
+    types = {
+        catalog.offer_in(n, i.cloud, i.region).instance_type for i in plan.instances for n in i.nodes
+    }
+    result = preview("dev", REPO / "stacks", not_offered={(t, "us-east-2a") for t in types})
+    subnets = {r.name: r.inputs for r in result.of_type("aws:ec2/subnet:Subnet")}
+    assert subnets["subnet-us-east-2b"]["availabilityZone"] == "us-east-2b"
+    assert subnets["subnet-us-east-2b"]["cidrBlock"] == "10.0.32.0/20"
+    assert "subnet-us-east-2a" not in subnets
+    gpu_nodes = [n for n in result.of_type("aws:ec2/instance:Instance") if "coral:replica" in
+                 n.inputs["tags"]]  # fmt: skip
+    assert gpu_nodes and {n.inputs["subnetId"] for n in gpu_nodes} == {"subnet-us-east-2b-id"}
+    everywhere = {(t, f"us-east-2{z}") for t in types for z in "abc"}
+    with pytest.raises(pulumi.RunError, match="no availability zone of aws:us-east-2 offers"):
+        preview("dev", REPO / "stacks", not_offered=everywhere)
