@@ -473,6 +473,7 @@ def render_start_script(boot: NodeBoot) -> str:
             router_version=VLLM_ROUTER_VERSION,
             nixl_port=boot.ports.nixl,
             master_port=MASTER_PORT,
+            node_stages=",".join(str(p.rank) for p in boot.processes),
             download_include=DOWNLOAD_INCLUDE,
             download_exclude=DOWNLOAD_EXCLUDE,
             argvs=[vllm_argv(boot, p, MASTER_ADDR_VAR) for p in boot.processes],

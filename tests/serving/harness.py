@@ -7,9 +7,10 @@ What a cloud node has that this machine lacks is replaced by local stand-ins, ea
 - the instance metadata service answers on loopback (`Metadata`), with the node's IP 127.0.0.1;
 - the cloud's secret manager is an `aws` / `gcloud` on PATH printing the test's secrets
   (`fake_cli`);
-- the runtime is already installed (the venv is linked in, and node.env's CORAL_VLLM_VERSION is
-  the CPU build's version, so `ensure_runtime` finds it) and the weights are already there (the
-  tiny model with the `.coral-complete` marker `fetch_weights` leaves);
+- the runtime is already installed (the venv's programs are linked in, and node.env's
+  CORAL_VLLM_VERSION is the CPU build's version, so `ensure_runtime` finds it);
+- the Hugging Face Hub is the tiny model's folder: the venv's `hf` is `fake_hf`, which "downloads"
+  from it what the script asks for (and logs the file names), so `fetch_weights` runs as written;
 - `CPU_ENV`: what vLLM on CPU needs in each process's environment.
 
 No `vllm serve` flag differs from the rendered command line unless `CPU_FLAGS` lists it with the
@@ -115,6 +116,34 @@ print(secrets[sid])
         path.chmod(0o755)
 
 
+def fake_hf(path: Path, source: Path, log: Path) -> None:
+    """`hf download REPO [FILE ...] [--include P] [--exclude P] --local-dir DIR`: copies the named
+    files, or those the patterns select, from `source`; appends each name to `log`."""
+    path.write_text(f"""#!/usr/bin/env python3
+import fnmatch, os, shutil, sys
+args, files, inc, exc, local = sys.argv[3:], [], [], [], None
+i = 0
+while i < len(args):
+    if args[i] in ("--include", "--exclude", "--local-dir"):
+        {{"--include": inc, "--exclude": exc}}.get(args[i], []).append(args[i + 1])
+        local = args[i + 1] if args[i] == "--local-dir" else local
+        i += 2
+    else:
+        files.append(args[i])
+        i += 1
+src = {str(source)!r}
+chosen = files or [n for n in sorted(os.listdir(src))
+                   if any(fnmatch.fnmatch(n, p) for p in inc)
+                   and not any(fnmatch.fnmatch(n, p) for p in exc)]
+os.makedirs(local, exist_ok=True)
+with open({str(log)!r}, "a") as out:
+    for name in chosen:
+        shutil.copy(os.path.join(src, name), os.path.join(local, name))
+        out.write(name + "\\n")
+""")
+    path.chmod(0o755)
+
+
 @dataclass
 class Node:
     """One rendered node laid out under `root`, ready to run its processes."""
@@ -169,12 +198,13 @@ def lay_out(
         target.write_text(content)
         if path.startswith("/usr/local/bin/"):
             target.chmod(0o755)
-    opt = Path(f"{root}/opt/coral")
-    opt.mkdir(parents=True, exist_ok=True)
-    (opt / "venv").symlink_to(CPU_VENV)
-    model = Path(env["CORAL_MODEL_DIR"])
-    model.parent.mkdir(parents=True, exist_ok=True)
-    model.symlink_to(model_dir)
+    venv_bin = Path(f"{root}/opt/coral/venv/bin")
+    venv_bin.mkdir(parents=True, exist_ok=True)
+    for program in (CPU_VENV / "bin").iterdir():
+        if program.name != "hf":
+            (venv_bin / program.name).symlink_to(program)
+    fake_hf(venv_bin / "hf", model_dir, root / "downloaded.txt")
+    Path(env["CORAL_MODEL_DIR"]).parent.mkdir(parents=True, exist_ok=True)
     argvs = [shlex.split(line) for line in re.findall(r"^\s*args=\((.*)\)\s*$", out[
         "/usr/local/bin/coral-node-start"], re.M)]  # fmt: skip
     node = Node(root, out, env, argvs)

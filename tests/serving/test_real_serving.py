@@ -66,7 +66,8 @@ def expected_argv(rendered: list[str]) -> list[str]:
 
 def test_a_two_node_replica_with_an_uneven_split_serves_through_its_head(tiny_model, tmp_path):
     """llama3.1-70b on two l40sx1 nodes, 20 + 60 layers (1 + 3 on the tiny model), API key on:
-    both nodes run their rendered start script; the head serves completions, /v1 needs the key,
+    both nodes run their rendered start script, each fetching only its stage's weight shards;
+    the head serves completions, /v1 needs the key,
     /health does not; the drain script waits for a request in flight; after the head dies the
     headless rank leaves (exit 1) and both come back and serve again."""
     port = free_port()
@@ -88,6 +89,16 @@ def test_a_two_node_replica_with_an_uneven_split_serves_through_its_head(tiny_mo
         procs.append(harness.start(rank, "0", bin_dir, logs["rank"]))
         procs.append(harness.start(head, "0", bin_dir, logs["head"]))
         harness.wait_healthy(url, procs, BOOT_S)
+        # Each node fetched only the shards holding its layers (1 and 3 of the tiny model's 4,
+        # in 7 shards: layer 0 in shards 2-3, layers 1-3 in 3-5 and 7), and vLLM loaded them.
+        def downloaded(node: harness.Node) -> set[str]:
+            return set((node.root / "downloaded.txt").read_text().split())
+
+        shards = {f"model-0000{k}-of-00007.safetensors" for k in range(1, 8)}
+        assert downloaded(head) & shards == shards - {f"model-0000{k}-of-00007.safetensors"
+                                                       for k in (4, 5)}  # fmt: skip
+        assert downloaded(rank) & shards == shards - {"model-00002-of-00007.safetensors"}
+        assert {"config.json", "tokenizer.json"} <= downloaded(head) & downloaded(rank)
         # Each process runs exactly its rendered flags (CPU_FLAGS lists any that differ).
         assert running_argv(procs[1].pid) == expected_argv(head.argvs[0])
         assert running_argv(procs[0].pid) == expected_argv(rank.argvs[0])

@@ -48,7 +48,8 @@ def make_tiny_model(out: Path, layers: int, positions: int, corpus: list[Path]) 
     )
     torch.manual_seed(SEED)
     model = LlamaForCausalLM(config).to(torch.bfloat16)
-    model.save_pretrained(out, safe_serialization=True)
+    # Several shards and their index, as real repositories have: each node loads only its own.
+    model.save_pretrained(out, safe_serialization=True, max_shard_size="1MB")
     (out / "coral-tiny.json").write_text(json.dumps({"layers": layers, "positions": positions}))
 
 

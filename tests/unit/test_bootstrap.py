@@ -210,9 +210,11 @@ def test_user_data_holds_no_secret(monkeypatch):
     for boots in cases().values():
         for b in boots:
             text = rendered(b)
+            # HF_TOKEN only from the secret manager at boot, held in a shell variable
             assert "hf_THIS_MUST_NOT_LEAK" not in text and "HF_TOKEN=" not in text.replace(
-                'HF_TOKEN="$(hf_token)"', ""
+                'HF_TOKEN="${token}"', ""
             )
+            assert 'token="$(hf_token)"' in text
             assert (
                 "secretsmanager get-secret-value" in text
                 or "gcloud secrets versions access" in text
@@ -371,3 +373,52 @@ def test_uv_comes_from_its_wheel_without_pip_or_venv(tmp_path, tampered):
         assert r.returncode == 0, r.stderr
         out = subprocess.run([str(tmp_path / "bin" / "uv")], capture_output=True, text=True)
         assert out.stdout.strip() == "uv-stand-in"
+
+
+def _stage_shards_program(script: str) -> str:
+    return script.split("stage_shards() {", 1)[1].split("<<'PY'\n", 1)[1].split("\nPY\n", 1)[0]
+
+
+def test_each_node_downloads_only_the_shards_of_its_stages(tmp_path):
+    """Regression: every node downloaded the whole repository (qwen3-235b: 470 GB per node,
+    about 80 minutes). The start script now picks the shards holding its stages' layers from the
+    index's weight_map (plus the ones with embeddings, norm and LM head)."""
+    (prefill0, prefill1) = cases()["disaggregated-prefill"]  # qwen3-32b: 30 + 34 layers
+    index = {"weight_map": {"model.embed_tokens.weight": "s0.safetensors", "lm_head.weight":
+             "s9.safetensors", "model.norm.weight": "s9.safetensors"}}  # fmt: skip
+    for layer in range(64):  # 8 layers per shard: s1 .. s8
+        index["weight_map"][f"model.layers.{layer}.mlp.up_proj.weight"] = f"s{1 + layer // 8}.safetensors"
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+
+    def shards(boot) -> list[str]:
+        program = _stage_shards_program(render_start_script(boot))
+        r = subprocess.run(["python3", "-", "list", str(tmp_path), boot.layer_partition,
+                            ",".join(str(p.rank) for p in boot.processes)],
+                           input=program, capture_output=True, text=True, timeout=60)  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        return r.stdout.split()
+
+    assert prefill0.layer_partition == "30,34"
+    # layers 0-29 are in s1-s4 (s4: 24-31); 30-63 in s4-s8
+    assert shards(prefill0) == ["s0.safetensors", "s1.safetensors", "s2.safetensors",
+                                "s3.safetensors", "s4.safetensors", "s9.safetensors"]  # fmt: skip
+    assert shards(prefill1) == ["s0.safetensors", "s4.safetensors", "s5.safetensors",
+                                "s6.safetensors", "s7.safetensors", "s8.safetensors",
+                                "s9.safetensors"]  # fmt: skip
+    (tmp_path / "model.safetensors.index.json").unlink()  # one shard, no index
+    assert shards(prefill0) == ["model.safetensors"]
+
+
+def test_the_index_keeps_only_the_shards_a_node_downloaded(tmp_path):
+    """vLLM refuses an index naming missing files ("Weight files referenced in index but
+    missing", found by the real-serving test): after the download the index is pruned."""
+    (boot, _) = cases()["disaggregated-prefill"]
+    index = {"metadata": {}, "weight_map": {"a.weight": "s1.safetensors", "b.weight": "s2.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    (tmp_path / "s1.safetensors").write_bytes(b"")
+    program = _stage_shards_program(render_start_script(boot))
+    r = subprocess.run(["python3", "-", "prune", str(tmp_path), boot.layer_partition, "0"],
+                       input=program, capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    pruned = json.loads((tmp_path / "model.safetensors.index.json").read_text())
+    assert pruned == {"metadata": {}, "weight_map": {"a.weight": "s1.safetensors"}}
