@@ -52,7 +52,7 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
     if not fleet.attainment.accept_below_target:
         for a in plan.below_target():
             problems.append(
-                f"{a.model} meets its SLOs for {100 * (a.verified or 0):.1f}% of requests in "
+                f"{a.model} meets its SLOs for {100 * (a.judged or 0):.1f}% of requests in "
                 f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "
                 "coral:fleet.attainment.rounds, lower the model's slo_attainment, or set "
                 "coral:fleet.attainment.accept_below_target: true to deploy it anyway"

@@ -111,8 +111,9 @@ def plan(
         show_deployable(problems)
     for a in result.below_target():
         warn(
-            f"{a.model}: SLO attainment {100 * (a.verified or 0):.1f}% on the verification "
-            f"workload, {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
+            f"{a.model}: SLO attainment {100 * (a.judged or 0):.1f}% on the "
+            + ("whole trace" if a.judged != a.verified else "verification workload")
+            + f", {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
     for a in result.attainment:
@@ -121,7 +122,7 @@ def plan(
                 f"{a.model}: {100 * (a.verified or 0):.1f}% verified on the trace's held-out "
                 f"windows, {100 * (a.replayed or 0):.1f}% on the whole trace "
                 f"({100 * a.replay_gap:.1f} points apart): the trace's windows differ more "
-                "than one window can show; judge the plan by the lower"
+                "than one window can show; the plan is judged by the lower"
             )
     if out_file is not None and not write:
         err.print(f"Left {out_file} as it was.")

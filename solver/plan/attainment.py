@@ -481,7 +481,10 @@ def _verified(
         verified = (float(r.met.mean()) if len(r.met) else 1.0) if r is not None else None
         w = whole.get(model)
         replayed = round(float(w.met.mean()), 4) if w is not None and len(w.met) else None
-        short = verified is not None and verified < spec.slo_attainment
+        # The cause comes from the run the plan is judged by (`ModelAttainment.judged`).
+        worse = w if replayed is not None and verified is not None and replayed < verified else r
+        judged = verified if verified is None or replayed is None else min(verified, replayed)
+        short = judged is not None and judged < spec.slo_attainment
         rows.append(
             ModelAttainment(
                 model=model,
@@ -495,7 +498,9 @@ def _verified(
                 if r is not None and len(r.arrival_s)
                 else 0.0,
                 headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
-                cause=_cause(r, spec.slo_ms.prefill, spec.slo_ms.decode) if short and r else "",
+                cause=_cause(worse, spec.slo_ms.prefill, spec.slo_ms.decode)
+                if short and worse
+                else "",
             )
         )
     return plan.model_copy(update={"attainment": rows, "closed_loop_stop": stop})

@@ -93,9 +93,18 @@ class ModelAttainment(BaseModel):
     cause: str = Field(default="", description="Why it falls short, when it does.")
 
     @property
+    def judged(self) -> float | None:
+        """What the plan is judged by: the verified share, or the whole trace's when that is
+        lower (a held-out window that looks better than the hour does not count)."""
+        if self.verified is None:
+            return None
+        return min(self.verified, self.replayed) if self.replayed is not None else self.verified
+
+    @property
     def short_by(self) -> float:
-        """Points below the target on the verification workload (0 when it meets it)."""
-        return max(0.0, self.target - self.verified) if self.verified is not None else 0.0
+        """Points below the target (`judged`; 0 when it meets it)."""
+        judged = self.judged
+        return max(0.0, self.target - judged) if judged is not None else 0.0
 
     @property
     def replay_gap(self) -> float:
