@@ -79,15 +79,24 @@ def preview(
     from coral_iac.deploy_settings import load_deploy_settings
     from coral_iac.exposure import exposure_warnings
     from coral_iac.gateway_cost import GatewayCost
+    from coral_iac.quota import quota_needs
+    from solver.catalog.offers import load_catalog
     from solver.operations.reconfiguration import FleetState
 
     result, running = _run(stack, previous, library)
     nodes = [r for r in result.resources if r.type in NODE_TYPES and not _is_gateway(r)]
+    needs = quota_needs(result.plan, load_catalog())
     if as_json:
         print_json(
             {
                 "outputs": {k: v for k, v in result.outputs.items() if k != "plan"},
                 "resources": [{"type": r.type, "name": r.name} for r in result.resources],
+                "quota": [
+                    {"cloud": q.cloud, "region": q.region, "quota": q.quota, "name": q.name,
+                     "unit": q.unit, "needed": q.needed,
+                     "during_replacement": q.during_replacement, "check": q.check}
+                    for q in needs
+                ],  # fmt: skip
             }
         )
         return
@@ -121,6 +130,18 @@ def preview(
         "Shared resources: "
         + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
     )
+    quota = Table(title="Quota the GPU nodes need (a launch past a quota fails)")
+    for col in ("region", "quota", "needed", "replacing every instance at once", "check with"):
+        quota.add_column(col, justify="right" if col.startswith(("needed", "replacing")) else "left")
+    for q in needs:
+        quota.add_row(
+            f"{q.cloud}:{q.region}",
+            f"{q.name} ({q.quota})",
+            f"{q.needed} {q.unit}",
+            f"{q.during_replacement} {q.unit}",
+            q.check,
+        )
+    out.print(quota)
     gateway_raw = result.outputs.get("gateway_cost")
     gateway = GatewayCost.model_validate(gateway_raw) if gateway_raw else None
     out.print(cost_diff_table(running, result.plan, state, gateway))

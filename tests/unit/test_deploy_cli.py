@@ -104,3 +104,25 @@ def test_a_stack_stock_vllm_cannot_run_exits_1_with_the_reason(tmp_path, monkeyp
         r = runner.invoke(app, [*command, "--stack", "paper-helix", *library])
         assert r.exit_code == 1, r.output
         assert "only 'vllm' placements run on stock vLLM; set mode: vllm" in r.output
+
+
+def test_preview_says_what_the_plan_needs_of_each_quota(tmp_path, monkeypatch):
+    """A launch past the account's on-demand quota fails and leaves the fleet short: preview
+    names each quota the GPU nodes count against, with the command that reads the limit. dev
+    runs two g6e.xlarge (4 vCPUs each: solver/data/offers.yaml) under AWS's G and VT quota."""
+    monkeypatch.chdir(REPO)
+    library = ["--library", str(tmp_path / "library")]
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
+    assert r.exit_code == 0, r.output
+    (need,) = json.loads(r.stdout)["quota"]
+    assert (need["cloud"], need["region"], need["quota"]) == ("aws", "us-east-2", "L-DB2E81BA")
+    assert need["needed"] == 8 and need["during_replacement"] == 16
+    assert "--quota-code L-DB2E81BA --region us-east-2" in need["check"]
+
+
+def test_instance_classes_count_against_their_own_quota():
+    from coral_iac.quota import aws_quota
+
+    assert aws_quota("g6e.12xlarge")[0] == aws_quota("vt1.3xlarge")[0] == "L-DB2E81BA"
+    assert aws_quota("p4d.24xlarge")[0] == "L-417A185B"
+    assert aws_quota("c7i.large")[0] == "L-1216C47A"
