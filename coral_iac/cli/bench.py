@@ -126,8 +126,8 @@ def bench(
     traces: Annotated[
         str,
         typer.Option(
-            help="azure: judge Azure-conversation/code models on the real 2023 traces; "
-            "generated: requests of their shape."
+            help="azure: Azure-conversation/code models on the real 2023 traces (as coral "
+            "plan does); generated: on those shapes' lognormal stand-ins instead."
         ),
     ] = "azure",
     target_utilization: Annotated[
