@@ -286,3 +286,21 @@ def test_scarce_fractions_are_max_min_fair_then_the_most_served(problem):
         supply = sum(problem.columns[i].template.throughput * k for i, k in sol.counts.items()
                      if problem.columns[i].job == job)  # fmt: skip
         assert supply >= d * sol.fractions[job[0]] - 1e-6
+
+
+@settings(max_examples=4, deadline=None, derandomize=True)
+@given(demands, availability)
+def test_coral_after_its_closed_loop_is_never_dearer_than_cauchy_at_the_same_targets(rps, avail):
+    """Cauchy plans from a subset of Coral's templates. After the closed loop (each method's own
+    path), Coral's plan never costs more than Cauchy's where Cauchy's serves at least as much
+    and meets every target Coral's meets."""
+    from solver.plan.planner import plan_to_targets
+
+    loop = {"rounds": 2, "planning_minutes": 5, "verify_minutes": 5}
+    f = with_inputs(rps, avail, attainment=loop)
+    coral = plan_to_targets("t", f, perf(), libraries(), method="coral")
+    cauchy = plan_to_targets("t", f, perf(), libraries(), method="cauchy")
+    served = sum(cauchy.served_fractions.values()) >= sum(coral.served_fractions.values()) - 1e-9
+    meets = {a.model for a in cauchy.below_target()} <= {a.model for a in coral.below_target()}
+    if served and meets:
+        assert coral.hourly_cost_usd <= cauchy.hourly_cost_usd + 1e-6
