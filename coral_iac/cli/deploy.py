@@ -6,6 +6,7 @@ the same code `pulumi preview` runs, with no Pulumi CLI and no cloud credentials
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -90,7 +91,12 @@ def preview(
         print_json(
             {
                 "outputs": {k: v for k, v in result.outputs.items() if k != "plan"},
-                "resources": [{"type": r.type, "name": r.name} for r in result.resources],
+                # Each resource with its inputs, as `pulumi preview --json` shows a step's new
+                # state, so a script can check zones, images and market options.
+                "resources": [
+                    {"type": r.type, "name": r.name, "inputs": masked(r.inputs)}
+                    for r in result.resources
+                ],
                 "quota": [
                     {"cloud": q.cloud, "region": q.region, "quota": q.quota, "name": q.name,
                      "unit": q.unit, "needed": q.needed,
@@ -156,6 +162,26 @@ def preview(
         out.print(f"Gateway ({vm.inputs.get('instanceType')}): {result.outputs['gateway']}")
         for model, url in sorted(result.outputs["gateway_endpoints"].items()):
             out.print(f"  {model}: {url}  (one address per model; {reach})")
+
+
+# Keys that hold a secret's value (not its name: `secretId` stays; nor `httpTokens`, IMDSv2's).
+SECRET_KEY = re.compile(
+    r"^(password|secret_?(string|binary|value)|private_?key|token|"
+    r"(api|access|auth|hf|bearer)_?(key|token))$",
+    re.I,
+)
+
+
+def masked(value: Any) -> Any:
+    """`value` with the value of every key that names a secret replaced by "[secret]" (a secret
+    name such as `secretId` stays: it is not the secret)."""
+    if isinstance(value, dict):
+        return {
+            k: "[secret]" if SECRET_KEY.search(str(k)) else masked(v) for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    return value
 
 
 def _is_gateway(resource: Any) -> bool:

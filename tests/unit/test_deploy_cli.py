@@ -126,3 +126,23 @@ def test_instance_classes_count_against_their_own_quota():
     assert aws_quota("g6e.12xlarge")[0] == aws_quota("vt1.3xlarge")[0] == "L-DB2E81BA"
     assert aws_quota("p4d.24xlarge")[0] == "L-417A185B"
     assert aws_quota("c7i.large")[0] == "L-1216C47A"
+
+
+def test_preview_json_shows_each_resource_with_its_inputs_and_masks_secrets(tmp_path, monkeypatch):
+    """A script can check what would be declared (zones, images, disks) from `--json`, as from
+    `pulumi preview --json`; a key that names a secret value is masked."""
+    from coral_iac.cli.deploy import masked
+
+    monkeypatch.chdir(REPO)
+    r = runner.invoke(app, ["preview", "--stack", "dev", "--json", "--library",
+                            str(tmp_path / "library")])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    resources = json.loads(r.stdout)["resources"]
+    nodes = [x for x in resources if x["type"] == "aws:ec2/instance:Instance"]
+    assert nodes and all(n["inputs"]["metadataOptions"]["httpTokens"] == "required" for n in nodes)
+    assert all(n["inputs"]["rootBlockDevice"]["encrypted"] for n in nodes)
+    zones = {x["inputs"].get("availabilityZone") for x in resources
+             if x["type"] == "aws:ec2/subnet:Subnet"}  # fmt: skip
+    assert "us-east-2a" in zones
+    assert masked({"secretString": "hf_x", "tags": [{"apiToken": "t"}], "secretId": "coral/hf"}) == {
+        "secretString": "[secret]", "tags": [{"apiToken": "[secret]"}], "secretId": "coral/hf"}
