@@ -65,6 +65,9 @@ class Region:
     index: int = 0  # the region's place in coral:fleet.regions (its CIDR block)
     routes: pulumi.Output[str] | None = None  # AWS route table id
     zone_subnets: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # AWS AZ -> subnet
+    # AWS, read once per region: its zones, and the zones each instance type is offered in.
+    zones: list[str] | None = None
+    offered: dict[str, set[str]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -185,20 +188,25 @@ class Infra:
         """
         invoke = pulumi.InvokeOptions(provider=r.provider)
         types = sorted(set(instance_types))
-        zones = aws.get_availability_zones(
-            state="available",
-            filters=[{"name": "opt-in-status", "values": ["opt-in-not-required"]}],
-            opts=invoke,
-        ).names
-        offered = aws.ec2.get_instance_type_offerings(
-            location_type="availability-zone",
-            filters=[{"name": "instance-type", "values": types}],
-            opts=invoke,
-        )
-        where: dict[str, set[str]] = {}
-        for t, zone in zip(offered.instance_types, offered.locations, strict=True):
-            where.setdefault(t, set()).add(zone)
-        fit = sorted(z for z in zones if all(z in where.get(t, set()) for t in types))
+        if r.zones is None:
+            r.zones = list(
+                aws.get_availability_zones(
+                    state="available",
+                    filters=[{"name": "opt-in-status", "values": ["opt-in-not-required"]}],
+                    opts=invoke,
+                ).names
+            )
+        if missing := [t for t in types if t not in r.offered]:
+            offered = aws.ec2.get_instance_type_offerings(
+                location_type="availability-zone",
+                filters=[{"name": "instance-type", "values": missing}],
+                opts=invoke,
+            )
+            r.offered.update({t: set() for t in missing})
+            for t, zone in zip(offered.instance_types, offered.locations, strict=True):
+                r.offered[t].add(zone)
+        zones, where = r.zones, r.offered
+        fit = sorted(z for z in zones if all(z in where[t] for t in types))
         if not fit:
             raise pulumi.RunError(
                 f"no availability zone of aws:{r.region} offers {', '.join(types)} together "

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from pydantic import ConfigDict
@@ -23,6 +24,14 @@ FROZEN = ConfigDict(frozen=True, extra="forbid")
 """Every boundary model: immutable once parsed, and unknown keys are errors."""
 
 BUCKET_SEP = "@"  # "<model>@b<i>": a length bucket's name in a plan (model ids never hold it)
+
+
+def per_model(by_job: Mapping[Job, float]) -> dict[str, float]:
+    """Each model's least value over its jobs (model, phase), at most 1: its served fraction."""
+    out: dict[str, float] = {}
+    for (model, _), f in by_job.items():
+        out[model] = min(out.get(model, 1.0), f)
+    return out
 
 
 def base_model(name: str) -> str:

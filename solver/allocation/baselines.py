@@ -26,10 +26,10 @@ import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from solver.allocation.problem import Column, Solution, per_model, priority_tiers
+from solver.allocation.problem import Column, Solution, priority_tiers, scaled_demand
 from solver.catalog.market import Market, RegionId, region_name
 from solver.stack import FleetConfig
-from solver.types import Job
+from solver.types import Job, per_model
 
 EPS = 1e-9
 Options = list[tuple[int, Column]]  # (column index, column)
@@ -109,7 +109,7 @@ def scale_fairly(
     models = sorted({j[0] for j, d in demand.items() if d > 0})
 
     def at(fractions: dict[str, float]) -> Solution:
-        return run({j: d * fractions.get(j[0], 0.0) for j, d in demand.items()})
+        return run(scaled_demand(demand, fractions))
 
     def ok(held: dict[str, float], active: set[str], t: float, raised: str | None = None) -> bool:
         """Whether the greedy serves `held`, the `active` models at `t` (`raised` at t + RAISE)."""

@@ -29,7 +29,7 @@ from solver.allocation.constraints import (
 from solver.allocation.objective import hourly_cost, startup_penalty
 from solver.allocation.problem import Problem
 from solver.errors import AllocationError
-from solver.types import Job
+from solver.types import Job, per_model
 
 BACKEND_IDS = {"cp-sat": "CP_SAT", "scip": "SCIP", "highs": "HIGHS"}
 
@@ -126,7 +126,8 @@ class IlpModel:
                 values.append(float(steps.get(m, 0)))
             if self.least is not None and self.fairness is not None:
                 variables.append(self.least)
-                values.append(float(min((steps.get(m, 0) for m in self.fairness.active), default=0)))
+                least = min((steps.get(m, 0) for m in self.fairness.active), default=0)
+                values.append(float(least))
         self.solver.SetHint(variables, values)
 
     def fractions(self) -> dict[str, int]:
@@ -192,10 +193,8 @@ def served_steps(problem: Problem, counts: dict[int, int]) -> dict[str, int]:
     for i, n in counts.items():
         job = problem.columns[i].job
         have[job] = have.get(job, 0.0) + n * problem.columns[i].template.throughput
-    least: dict[str, float] = {}
-    for job, d in problem.demand.items():
-        if d > 0:
-            least[job[0]] = min(least.get(job[0], 1.0), have.get(job, 0.0) / d)
+    ratios = {job: have.get(job, 0.0) / d for job, d in problem.demand.items() if d > 0}
+    least = per_model(ratios)
     return {
         m: max(0, min(FRACTION_STEPS, math.floor(r * FRACTION_STEPS))) for m, r in least.items()
     }

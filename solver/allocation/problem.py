@@ -59,12 +59,9 @@ class Solution:
         return min(self.fractions.values(), default=1.0)
 
 
-def per_model(served: dict[Job, float]) -> dict[str, float]:
-    """Each model's served fraction: the least over its jobs (model, phase)."""
-    out: dict[str, float] = {}
-    for (model, _), f in served.items():
-        out[model] = min(out.get(model, 1.0), f)
-    return out
+def scaled_demand(demand: dict[Job, float], fractions: dict[str, float]) -> dict[Job, float]:
+    """Each job's demand times its model's fraction (0 for a model without one)."""
+    return {job: d * fractions.get(job[0], 0.0) for job, d in demand.items()}
 
 
 def priority_tiers(models: list[str], priorities: dict[str, int]) -> list[frozenset[str]]:

@@ -36,7 +36,7 @@ from solver.allocation.model import (
     served_steps,
     values,
 )
-from solver.allocation.problem import Problem, Solution, priority_tiers
+from solver.allocation.problem import Problem, Solution, priority_tiers, scaled_demand
 from solver.allocation.reduction import reduce_columns, undominated
 from solver.errors import AllocationError
 from solver.plan.schema import SolverReport
@@ -127,10 +127,7 @@ def _solve(problem: Problem, seconds: float) -> Solution:
         return _joint(problem, parts, start_plan, full, [], seconds)
     fractions, lines, start_plan, sec = _most_served(problem)
     # The cost solve serves those fractions: the same problem with each model's demand scaled.
-    scaled = replace(
-        problem,
-        demand={job: d * fractions.get(job[0], 0.0) for job, d in problem.demand.items()},
-    )
+    scaled = replace(problem, demand=scaled_demand(problem.demand, fractions))
     parts, more = solve_parts(scaled, 1.0)
     seconds += sec + more
     if (plan := union(scaled, parts)) is not None:
@@ -271,9 +268,7 @@ def _most_served(problem: Problem) -> tuple[dict[str, float], list[str], dict[in
     fractions = {m: floors.get(m, 0) / FRACTION_STEPS for m in served_models(problem)}
     # The cost solve starts from the cheaper of that plan and the cheapest single-config
     # plan serving the same fractions, so it never ends dearer than the Cauchy-like one.
-    scaled = replace(
-        problem, demand={j: d * fractions.get(j[0], 0.0) for j, d in problem.demand.items()}
-    )
+    scaled = replace(problem, demand=scaled_demand(problem.demand, fractions))
     cheap, sec = _homogeneous_plan(scaled)
     seconds += sec
     start = (

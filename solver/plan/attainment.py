@@ -155,10 +155,14 @@ def plan_to_target(
     root: Path | None = None,
     progress: Callable[[str], None] | None = None,
     cache: Path | None = None,
+    base: dict[str, float] | None = None,
 ) -> Plan:
     """The closed loop and the verification (module doc); `solve(factors)` plans once;
-    `cache`: where the capacity model's factors are kept (`base_factors`)."""
-    loop = _Loop(fleet, perf, base_factors(fleet, perf, libs, root, cache), solve, root, progress)
+    `cache`: where the capacity model's factors are kept (`base_factors`); `base`: those
+    factors, when the caller has them already."""
+    if base is None:
+        base = base_factors(fleet, perf, libs, root, cache)
+    loop = _Loop(fleet, perf, base, solve, root, progress)
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
@@ -413,7 +417,8 @@ def _traces(
     scale = {m: plan.fraction_of(m) for m in fleet.models}
     rates = [request_rate(s) * scale[m] for m, s in fleet.models.items()]
     if any(r > 0 for r in rates):
-        duration_s = min(max(duration_s, MIN_REQUESTS / min(r for r in rates if r > 0)), 4 * 3_600.0)
+        slowest = min(r for r in rates if r > 0)
+        duration_s = min(max(duration_s, MIN_REQUESTS / slowest), 4 * 3_600.0)
     traces = {}
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
         if request_rate(spec) * scale[model] <= 0:
@@ -481,28 +486,27 @@ def _verified(
         verified = (float(r.met.mean()) if len(r.met) else 1.0) if r is not None else None
         w = whole.get(model)
         replayed = round(float(w.met.mean()), 4) if w is not None and len(w.met) else None
-        # The cause comes from the run the plan is judged by (`ModelAttainment.judged`).
-        worse = w if replayed is not None and verified is not None and replayed < verified else r
-        judged = verified if verified is None or replayed is None else min(verified, replayed)
-        short = judged is not None and judged < spec.slo_attainment
-        rows.append(
-            ModelAttainment(
-                model=model,
-                target=spec.slo_attainment,
-                workload=trace_of(spec) or f"generated ({spec.workload or 'default shape'})",
-                planned=round(planned[model], 4) if model in planned else None,
-                verified=round(verified, 4) if verified is not None else None,
-                verified_requests=len(r.met) if r is not None else 0,
-                replayed=replayed,
-                verified_minutes=round(float(r.arrival_s[-1]) / 60, 2)
-                if r is not None and len(r.arrival_s)
-                else 0.0,
-                headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
-                cause=_cause(worse, spec.slo_ms.prefill, spec.slo_ms.decode)
-                if short and worse
-                else "",
-            )
+        row = ModelAttainment(
+            model=model,
+            target=spec.slo_attainment,
+            workload=trace_of(spec) or f"generated ({spec.workload or 'default shape'})",
+            planned=round(planned[model], 4) if model in planned else None,
+            verified=round(verified, 4) if verified is not None else None,
+            verified_requests=len(r.met) if r is not None else 0,
+            replayed=replayed,
+            verified_minutes=round(float(r.arrival_s[-1]) / 60, 2)
+            if r is not None and len(r.arrival_s)
+            else 0.0,
+            headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
         )
+        # The cause comes from the run the row is judged by (`ModelAttainment.judged`).
+        whole_lower = row.replayed is not None and row.judged == row.replayed != row.verified
+        worse = w if whole_lower else r
+        if row.short_by and worse is not None:
+            row = row.model_copy(
+                update={"cause": _cause(worse, spec.slo_ms.prefill, spec.slo_ms.decode)}
+            )
+        rows.append(row)
     return plan.model_copy(update={"attainment": rows, "closed_loop_stop": stop})
 
 

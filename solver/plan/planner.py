@@ -260,12 +260,18 @@ def plan_to_targets(
     """The method planned to the models' SLO attainment targets (the closed loop and the
     verification, `attainment.plan_to_target`). For Coral the loop also runs over single-config
     templates, and the better plan is kept (`better_at_target`)."""
-    from solver.plan.attainment import plan_to_target
+    from solver.plan.attainment import base_factors, plan_to_target
 
-    def solve(factors: dict[str, float]) -> Plan:
-        return plan_stack(stack, fleet, perf.catalog, libs, previous, method=method, factors=factors)
+    def solve_as(how: Method) -> Callable[[dict[str, float]], Plan]:
+        def solve(factors: dict[str, float]) -> Plan:
+            return plan_stack(
+                stack, fleet, perf.catalog, libs, previous, method=how, factors=factors
+            )
 
-    plan = plan_to_target(fleet, perf, libs, solve, root, on_round, cache=cache)
+        return solve
+
+    base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
+    plan = plan_to_target(fleet, perf, libs, solve_as(method), root, on_round, base=base)
     if method != "coral" or fleet.attainment.rounds == 0:
         return plan
     # The closed loop is a search over whole instances, and its path depends on where it
@@ -273,17 +279,12 @@ def plan_to_targets(
     # templates (Cauchy's, a restriction of Coral's) ended at 12.85 at the same targets.
     # Every plan of that restricted search is a Coral plan, so Coral keeps the better.
 
-    def solve_single(factors: dict[str, float]) -> Plan:
-        return plan_stack(
-            stack, fleet, perf.catalog, libs, previous, method="cauchy", factors=factors
-        )
-
     def said(line: str) -> None:
         if on_round:
             on_round(f"single-config search, {line}")
 
     try:
-        single = plan_to_target(fleet, perf, libs, solve_single, root, said, cache=cache)
+        single = plan_to_target(fleet, perf, libs, solve_as("cauchy"), root, said, base=base)
     except CoralError as exc:  # the restricted search is a second opinion: Coral's plan stands
         said(f"failed: {exc}")
         return plan

@@ -34,7 +34,7 @@ from solver.plan.length_routing import fleet_for_plan
 from solver.plan.schema import Instance, JobResult, Plan, instance_key, template_ref
 from solver.stack import FleetConfig
 from solver.templates.serving_template import ServingTemplate
-from solver.types import Job, base_model
+from solver.types import Job, base_model, per_model
 
 TOL = 1e-6
 Slot = tuple[tuple[str, str], str]
@@ -199,11 +199,8 @@ def served_fractions(
         model -> min over its jobs with demand of supply / (demand / target utilization), at
         most 1.
     """
-    out: dict[str, float] = {}
-    for (model, phase), n in capacity_needed(fleet, demand).items():
-        if n > 0:
-            out[model] = min(out.get(model, 1.0), supply.get((model, phase), 0.0) / n)
-    return out
+    needed = capacity_needed(fleet, demand)
+    return per_model({job: supply.get(job, 0.0) / n for job, n in needed.items() if n > 0})
 
 
 def _demand_problems(

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import replace
 
 import pytest
@@ -167,18 +168,22 @@ def tiny_problems(draw):
     return Problem({("m", "prefill"): demand}, columns, market, settings_)
 
 
-def _brute_force(p: Problem) -> tuple[float, float]:
-    """(best uniform fraction in FRACTION steps, cheapest objective at it) by enumeration."""
-    best = (0.0, 0.0)
-    demand = p.demand[("m", "prefill")]
-    ranges = [range(0, 4) for _ in p.columns]
-    for counts in itertools.product(*ranges):
+def _within_availability(p: Problem) -> Iterator[tuple[int, ...]]:
+    """Every plan of 0-3 instances per column that the nodes available allow."""
+    for counts in itertools.product(*[range(0, 4) for _ in p.columns]):
         use: dict = {}
         for c, n in zip(p.columns, counts, strict=True):
             for node, k in c.usage:
                 use[(c.region, node)] = use.get((c.region, node), 0) + n * k
-        if any(v > p.market.available[s] for s, v in use.items()):
-            continue
+        if all(v <= p.market.available[s] for s, v in use.items()):
+            yield counts
+
+
+def _brute_force(p: Problem) -> tuple[float, float]:
+    """(best uniform fraction in FRACTION steps, cheapest objective at it) by enumeration."""
+    best = (0.0, 0.0)
+    demand = p.demand[("m", "prefill")]
+    for counts in _within_availability(p):
         supply = sum(c.template.throughput * n for c, n in zip(p.columns, counts, strict=True))
         frac = min(1.0, int(supply / demand * 10_000) / 10_000)
         cost = sum(
@@ -254,13 +259,7 @@ def _fair_brute_force(p: Problem) -> tuple[float, float]:
     """(largest least fraction, then largest sum of fractions) over every plan, by enumeration
     (fractions floored to 0.01%, as the solver's steps)."""
     best = (-1.0, -1.0)
-    for counts in itertools.product(*[range(0, 4) for _ in p.columns]):
-        use: dict = {}
-        for c, k in zip(p.columns, counts, strict=True):
-            for node, per in c.usage:
-                use[(c.region, node)] = use.get((c.region, node), 0) + k * per
-        if any(v > p.market.available[s] for s, v in use.items()):
-            continue
+    for counts in _within_availability(p):
         fractions = []
         for job, d in sorted(p.demand.items()):
             supply = sum(

@@ -152,6 +152,7 @@ class Node:
     files: dict[str, str]  # rendered path -> content (after the local substitutions)
     env: dict[str, str]  # node.env
     argvs: list[list[str]]  # each process's rendered `vllm serve` argv (before CPU_FLAGS)
+    cpu_core: int  # the core its vLLM processes' OpenMP threads bind to
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     def start_script(self) -> Path:
@@ -207,9 +208,7 @@ def lay_out(
     Path(env["CORAL_MODEL_DIR"]).parent.mkdir(parents=True, exist_ok=True)
     argvs = [shlex.split(line) for line in re.findall(r"^\s*args=\((.*)\)\s*$", out[
         "/usr/local/bin/coral-node-start"], re.M)]  # fmt: skip
-    node = Node(root, out, env, argvs)
-    node.env["_CPU_CORE"] = str(cpu_core)
-    return node
+    return Node(root, out, env, argvs, cpu_core)
 
 
 def rescale(partition: list[int], layers: int) -> list[int]:
@@ -228,7 +227,7 @@ def start(node: Node, index: str, bin_dir: Path, log: Path) -> subprocess.Popen[
     """Run the node's rendered start script for process `index`, as systemd's unit would."""
     env = os.environ | CPU_ENV | {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
-        "VLLM_CPU_OMP_THREADS_BIND": node.env["_CPU_CORE"],
+        "VLLM_CPU_OMP_THREADS_BIND": str(node.cpu_core),
     }
     with log.open("ab") as out:  # the child keeps its own descriptor
         proc = subprocess.Popen(
