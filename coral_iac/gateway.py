@@ -8,10 +8,13 @@ Pure part, no cloud calls:
 - `render_haproxy_config` renders `templates/gateway/haproxy.cfg.j2`, and `parameter_value`
   packs it for SSM Parameter Store;
 - `render_gateway_user_data` renders the VM's cloud-init, which holds no plan, so a plan change
-  never replaces the VM.
+  never replaces the VM;
+- `replicas_up` reads the health report the VM publishes (which replicas pass HAProxy's
+  `/health` checks), from which the next run knows which new replicas are ready.
 
-Pulumi part: `Gateway`, the VM with its security group, IAM role, Elastic IP and the SSM
-parameter it polls (`publish`). HAProxy 2.6 is Debian 12's package, the one the tests run.
+Pulumi part: `Gateway`, the VM with its security group, IAM role, Elastic IP, the SSM
+parameter it polls (`publish`) and the one it writes its health report to; `published_health`
+reads that report at the start of a run. HAProxy 2.6 is Debian 12's package, the one the tests run.
 """
 
 from __future__ import annotations
@@ -20,14 +23,14 @@ import base64
 import gzip
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, cast
 
 import pulumi
 import pulumi_aws as aws
 from jinja2 import Environment
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from coral_iac.bootstrap import TEMPLATES, template_environment
 from coral_iac.deploy_settings import GatewaySettings
@@ -48,6 +51,9 @@ POLL_SECONDS = 30
 # The API key as HAProxy compares it ("Bearer <key>"), written by coral-gateway-sync from the
 # secret manager: never in the SSM parameter or the user-data.
 API_KEY_FILE = "/etc/haproxy/coral-api-keys"
+# HAProxy's statistics (CSV), on loopback only: coral-gateway-health reads them.
+STATS_PORT = 8404
+STATE_DIR = "/var/lib/coral-gateway"  # the last health report published, to publish changes only
 MODEL_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")  # safe in a path, an ACL, a backend
 
 
@@ -130,7 +136,7 @@ def gateway_upstreams(
         Upstream(
             key=inst.key,
             model=inst.model,
-            server=slug(inst.key).replace(BUCKET_SEP, "."),
+            server=server_name(inst.key),
             address=addresses[inst.key],
             throughput=throughput,
             unit=unit,
@@ -139,6 +145,36 @@ def gateway_upstreams(
         )
         for inst, throughput, unit, state in rows
     ]
+
+
+def server_name(key: str) -> str:
+    """The HAProxy server name of a replica key (name-safe; the same in the health report)."""
+    return slug(key).replace(BUCKET_SEP, ".")
+
+
+class HealthReport(BaseModel):
+    """What coral-gateway-health publishes: the servers whose last `/health` check passed."""
+
+    up: list[str] = Field(description="HAProxy server names, sorted.")
+
+
+def replicas_up(report: str, keys: Collection[str]) -> frozenset[str]:
+    """The replica keys among `keys` whose server the health `report` (the parameter's JSON
+    value) lists as passing.
+
+    Raises:
+        InputError: the report is not a health report.
+    """
+    try:
+        up = set(HealthReport.model_validate_json(report).up)
+    except ValidationError as e:
+        raise InputError(
+            "gateway health report",
+            f"not a health report ({e.errors()[0]['msg']})",
+            "it is written by coral-gateway-sync on the gateway VM; delete the parameter and "
+            "the next poll writes it again",
+        ) from None
+    return frozenset(k for k in keys if server_name(k) in up)
 
 
 def _check_states(states: Mapping[str, str], serving: set[str]) -> None:
@@ -174,10 +210,12 @@ def render_haproxy_config(
     health_check_interval_ms: int,
     api_key: bool = False,
     buckets: Mapping[str, LengthBucket] | None = None,
+    stats_port: int = STATS_PORT,
 ) -> str:
     """HAProxy's configuration: one route per model, one backend per model or per length
     bucket (`buckets`: the plan's, by name; `Plan.buckets()`), one server per upstream; with
-    `api_key`, requests without the key in `API_KEY_FILE` get 401.
+    `api_key`, requests without the key in `API_KEY_FILE` get 401. Its statistics answer on
+    127.0.0.1:`stats_port` only.
 
     Raises:
         InputError: no upstream at all (nothing to route to), or an upstream of a length
@@ -219,6 +257,7 @@ def render_haproxy_config(
             health_check_interval_ms=health_check_interval_ms,
             routes=routes,
             api_key_file=API_KEY_FILE if api_key else None,
+            stats_port=stats_port,
         )
     )
 
@@ -244,6 +283,29 @@ def parameter_name(stack: str) -> str:
     return f"/coral/{stack}/gateway/haproxy.cfg"
 
 
+def health_parameter_name(stack: str) -> str:
+    """Where the gateway VM publishes its health report (`HealthReport`, JSON)."""
+    return f"/coral/{stack}/gateway/health"
+
+
+def render_health_script(
+    stack: str, region: str, stats_port: int = STATS_PORT, state_dir: str = STATE_DIR
+) -> str:
+    """`coral-gateway-health`: reads HAProxy's statistics and publishes the servers whose last
+    check passed to `health_parameter_name(stack)`, when that list changed."""
+    return (
+        _environment()
+        .get_template("gateway-health.sh.j2")
+        .render(
+            stack=stack,
+            region=region,
+            parameter=health_parameter_name(stack),
+            stats_port=stats_port,
+            state_dir=state_dir,
+        )
+    )
+
+
 def render_gateway_user_data(
     stack: str, region: str, port: int, api_key_secret: str | None = None
 ) -> str:
@@ -262,7 +324,11 @@ def render_gateway_user_data(
     sync = env.get_template("gateway-sync.sh.j2").render(**values)
     initial = env.get_template("haproxy-initial.cfg.j2").render(stack=stack, port=port)
     return env.get_template("cloud-config.yaml.j2").render(
-        sync_script=sync, initial_config=initial, **values
+        sync_script=sync,
+        health_script=render_health_script(stack, region),
+        initial_config=initial,
+        health_parameter=health_parameter_name(stack),
+        **values,
     )
 
 
@@ -360,12 +426,27 @@ class Gateway(pulumi.ComponentResource):
         )
         # A fixed address: the per-model URLs and remote replicas' firewalls outlive the VM.
         eip = aws.ec2.Eip(f"{name}-ip", domain="vpc", instance=vm.id, tags=tags, opts=self._child)
+        # The health report the VM overwrites (coral-gateway-health). Declared so that a
+        # destroy removes it; its value is the VM's, never reset by a run.
+        aws.ssm.Parameter(
+            f"{name}-health",
+            name=health_parameter_name(args.stack),
+            type="String",
+            tier="Intelligent-Tiering",
+            description="Coral gateway: replicas passing HAProxy's /health checks (JSON)",
+            insecure_value=HealthReport(up=[]).model_dump_json(),
+            tags=tags,
+            opts=pulumi.ResourceOptions.merge(
+                self._child, pulumi.ResourceOptions(ignore_changes=["insecureValue", "value"])
+            ),
+        )
         self.public_ip = eip.public_ip
         self.url = eip.public_ip.apply(lambda ip: f"http://{ip}:{args.api_port}")
         infra.gateway = GatewayPeer(args.settings.cloud, args.region, group.id, eip.public_ip)
 
     def _identity(self, name: str, args: GatewayArgs) -> pulumi.Output[str]:
-        """A role that may read this stack's gateway parameter and nothing else."""
+        """A role that may read this stack's gateway parameter (and its API key) and write its
+        health report, and nothing else."""
         role = aws.iam.Role(
             f"{name}-role",
             assume_role_policy=EC2_ASSUME_ROLE,
@@ -373,8 +454,10 @@ class Gateway(pulumi.ComponentResource):
             opts=self._child,
         )
         arn = f"arn:aws:ssm:{args.region}:*:parameter{parameter_name(args.stack)}"
+        health = f"arn:aws:ssm:{args.region}:*:parameter{health_parameter_name(args.stack)}"
         statements: list[dict[str, Any]] = [
-            {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn}
+            {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn},
+            {"Effect": "Allow", "Action": "ssm:PutParameter", "Resource": health},
         ]
         if args.api_key_secret:  # and the API key it checks
             secret = (
@@ -440,3 +523,16 @@ class Gateway(pulumi.ComponentResource):
         )
         self.register_outputs({"public_ip": self.public_ip, "url": self.url})
         return {m: pulumi.Output.concat(self.url, f"/{m}/v1") for m in models}
+
+
+def published_health(stack: str, provider: pulumi.ProviderResource) -> str | None:
+    """The gateway's last health report (JSON), or None when there is none to read: a first
+    deploy, or a gateway that never published. Read at the start of a run, before anything is
+    declared, with the gateway region's provider."""
+    try:
+        found = aws.ssm.get_parameter(
+            name=health_parameter_name(stack), opts=pulumi.InvokeOptions(provider=provider)
+        )
+    except Exception:  # noqa: BLE001 - the SDK raises a bare Exception for a failed invoke
+        return None
+    return found.value

@@ -110,6 +110,7 @@ class Infra:
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
         self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
+        self.aws_providers: dict[str, aws.Provider] = {}
         self._gcp_network: gcp.compute.Network | None = None
 
     def region(self, cloud: str, region: str) -> Region:
@@ -141,8 +142,15 @@ class Infra:
                 ).value
         return self.images[key]
 
+    def aws_provider(self, region: str) -> aws.Provider:
+        """The provider of an AWS region, one per region (a run may need it before the
+        region's network, to read the gateway's health report)."""
+        if region not in self.aws_providers:
+            self.aws_providers[region] = aws.Provider(f"aws-{region}", region=region)
+        return self.aws_providers[region]
+
     def _aws(self, region: str, index: int) -> Region:
-        provider = aws.Provider(f"aws-{region}", region=region)
+        provider = self.aws_provider(region)
         opts = pulumi.ResourceOptions(provider=provider)
         image = self.aws_image(region, self.deploy.aws_ami_parameter, provider)
         tags = {"coral:stack": self.stack}

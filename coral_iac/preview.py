@@ -42,6 +42,8 @@ class CoralMocks(pulumi.runtime.Mocks):
     resources: list[Recorded] = field(default_factory=list)
     # (instance type, zone) pairs EC2 does not offer; every other pair is offered in zones a-c
     not_offered: set[tuple[str, str]] = field(default_factory=set)
+    # the gateway's health report (its SSM parameter's value); None: never published
+    health_report: str | None = None
 
     def new_resource(self, args: pulumi.runtime.MockResourceArgs) -> tuple[str, dict[str, Any]]:
         self.resources.append(Recorded(args.typ, args.name, dict(args.inputs), args.provider))
@@ -82,6 +84,10 @@ class CoralMocks(pulumi.runtime.Mocks):
                 "id": region,
             }, []
         if args.token == "aws:ssm/getParameter:getParameter":
+            if str(args.args.get("name", "")).endswith("/gateway/health"):
+                if self.health_report is None:  # an invoke failure, as SSM's ParameterNotFound
+                    return {}, [("name", "ParameterNotFound")]
+                return {"name": args.args["name"], "type": "String", "value": self.health_report}, []
             return {
                 "name": args.args.get("name"),
                 "type": "String",
@@ -135,15 +141,19 @@ def preview_stack(
     previous: Plan | None = None,
     previous_outputs: dict[str, Any] | None = None,
     not_offered: set[tuple[str, str]] | None = None,
+    health_report: str | None = None,
 ) -> PreviewResult:
     """Run the program for `stack` under mocks, with `options` (stacks and library folders,
     whether a stale library is rebuilt as `coral plan` does, the clock). The stack's last
     outputs are `previous_outputs` (e.g. an earlier run's `PreviewResult.outputs`), or just the
-    plan `previous`. `not_offered`: (instance type, zone) pairs EC2's offerings leave out."""
+    plan `previous`. `not_offered`: (instance type, zone) pairs EC2's offerings leave out.
+    `health_report`: what the gateway last published (None: nothing)."""
     config = stack_config(options.stacks_dir, stack)
     if previous_outputs is None:
         previous_outputs = {"plan": previous.model_dump_json()} if previous is not None else {}
-    mocks = CoralMocks(previous_outputs, not_offered=set(not_offered or ()))
+    mocks = CoralMocks(
+        previous_outputs, not_offered=set(not_offered or ()), health_report=health_report
+    )
     # A fresh root stack: set_mocks keeps an existing one, whose exports would leak into this run.
     pulumi.runtime.reset_options(project=PROJECT, stack=stack, preview=False)
     pulumi.runtime.set_all_config(

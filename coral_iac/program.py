@@ -41,13 +41,20 @@ from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.deployable import deploy_problems
 from coral_iac.exposure import exposure_warnings
-from coral_iac.gateway import Gateway, GatewayArgs, gateway_region
+from coral_iac.gateway import (
+    Gateway,
+    GatewayArgs,
+    gateway_region,
+    health_parameter_name,
+    published_health,
+    replicas_up,
+)
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
 from coral_iac.infra import Infra, slug
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
-from solver.operations.reconfiguration import FleetState, router_peers, transition
+from solver.operations.reconfiguration import FRONTED, FleetState, router_peers, transition
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.length_routing import fleet_for_plan
@@ -163,6 +170,7 @@ def declare(
     states: Mapping[str, str] | None = None,
     peers: Mapping[str, list[str]] | None = None,
     images: Mapping[str, str] | None = None,
+    infra: Infra | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
     the gateway's outputs (none when `deploy.gateway.enabled` is false).
@@ -171,8 +179,10 @@ def declare(
     sends each instance: no new requests to draining ones. `peers` (decode instance key ->
     prefill instance keys) sets whom each decode router sends prompts to; by default every
     prefill instance of its model in its region. `images`: the AMIs the stack last deployed
-    with (`Infra.aws_image`); the outputs get the ones in use as `images`."""
-    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
+    with (`Infra.aws_image`); the outputs get the ones in use as `images`. `infra`: the run's
+    shared resources when the caller already made some (a provider), else new ones."""
+    if infra is None:
+        infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[str, pulumi.Output[str]] = {}  # prefill instance key -> head IP
@@ -301,6 +311,47 @@ def _gateway_states(plan: Plan, states: Mapping[str, str]) -> dict[str, str]:
     }
 
 
+def _replicas_up(
+    previous: FleetState | None,
+    fleet: FleetConfig,
+    deploy: DeploySettings,
+    stack: str,
+    infra: Infra,
+    now: datetime,
+) -> frozenset[str] | None:
+    """The previous members whose heads pass the gateway's health checks, from the report
+    the gateway VM publishes; None when there is no report to go by (no gateway, a first
+    deploy, nothing published yet): readiness then falls back to `allocation.boot_minutes`."""
+    waiting = [
+        m
+        for m in (previous.members.values() if previous is not None else [])
+        if m.state == "starting" and m.instance.phase in FRONTED
+    ]
+    region = gateway_region(fleet, deploy.gateway) if deploy.gateway.enabled else None
+    if not waiting or region is None:
+        return None
+    report = published_health(stack, infra.aws_provider(region))
+    if report is None:
+        pulumi.log.warn(
+            f"no health report from the gateway ({health_parameter_name(stack)} in {region}): "
+            "starting replicas count as ready allocation.boot_minutes after they were declared. "
+            "Check that the gateway VM runs coral-gateway-sync"
+        )
+        return None
+    up = replicas_up(report, [m.instance.key for m in waiting])
+    boot_s = fleet.allocation.boot_minutes * 60
+    for m in waiting:
+        waited = (now - m.declared_at).total_seconds()
+        if m.instance.key not in up and waited > 3 * boot_s:
+            pulumi.log.warn(
+                f"{m.instance.key} has been starting for {waited / 60:.0f} min, over 3 x "
+                f"allocation.boot_minutes, and its head still fails the gateway's /health "
+                "check; the capacity it replaces keeps serving (and costing) until it passes. "
+                "Look at the node's console (coral-node-start) or raise boot_minutes"
+            )
+    return up
+
+
 def _gateway(
     fleet: FleetConfig, deploy: DeploySettings, stack: str, infra: Infra
 ) -> Gateway | None:
@@ -392,12 +443,15 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     check_deployable(plan, fleet, perf.catalog)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
+    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
+    now = options.clock()
     state = transition(
         previous_state,
         plan,
-        options.clock(),
+        now,
         fleet.allocation.boot_minutes * 60,  # the boot time K is derived from
         deploy.drain_minutes * 60,
+        up=_replicas_up(previous_state, fleet, deploy, stack, infra, now),
     )
     state = _without_removed_models(state, fleet)
     pulumi.log.info(cost_diff_table(previous, plan, state, gateway_usd))
@@ -421,6 +475,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         states,
         peers,
         images,
+        infra,
     )
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:

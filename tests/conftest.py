@@ -34,7 +34,8 @@ def helix_files() -> list[CalibrationFile]:
 @pytest.fixture
 def preview(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., PreviewResult]:
     """`preview_stack` with one library cache for the whole session, outside the repository;
-    `now` fakes the clock (consecutive deploys), `rebuild_stale` rebuilds a stale library."""
+    `now` fakes the clock (consecutive deploys), `rebuild_stale` rebuilds a stale library,
+    `health_report` is what the gateway last published."""
     library_root = tmp_path_factory.getbasetemp() / "library"
 
     def run(
@@ -45,9 +46,12 @@ def preview(tmp_path_factory: pytest.TempPathFactory) -> Callable[..., PreviewRe
         now: datetime | None = None,
         rebuild_stale: bool = False,
         not_offered: set[tuple[str, str]] | None = None,
+        health_report: str | None = None,
     ) -> PreviewResult:
         clock = (lambda: now) if now is not None else utc_now
         options = ProgramOptions(stacks_dir, library_root, None, rebuild_stale, clock)
-        return preview_stack(stack, options, previous, previous_outputs, not_offered)
+        return preview_stack(
+            stack, options, previous, previous_outputs, not_offered, health_report
+        )
 
     return run

@@ -8,7 +8,7 @@ in one of four states:
 
 | state | in the plan | gets new requests | next run |
 |---|---|---|---|
-| `starting` | yes | no (booting) | `ready` once `boot_s` has passed since it was declared |
+| `starting` | yes | no (booting) | `ready` once its head passes the gateway's health check, else (no report) once `boot_s` has passed since it was declared |
 | `ready` | yes | yes | stays `ready` |
 | `retiring` | no | yes: its (model, phase) needs it until `starting` ones are ready | `retiring` or `draining` |
 | `draining` | no | no: in-flight requests finish | deleted once `drain_s` has passed since it began draining (its node's stop step drains first) |
@@ -30,12 +30,20 @@ Serving capacity (what the gateway spreads new requests over) is `ready` + `reti
 sequence of runs, the capacity of every (model, phase) never falls below the smaller of its
 demand and its capacity before the run (tests/property/test_reconfigure_properties.py).
 
+Readiness comes from health where it can be seen: the gateway health-checks every aggregated
+and decode head and publishes which pass (`up`, member ids). With such a report, one of those
+members is ready only once its head passes, however long it takes: a slow boot (a large model's
+weights) keeps the old capacity serving instead of draining it early. Without a report (no
+gateway, nothing published yet) and for prefill members, which the gateway does not front,
+readiness falls back to time: `boot_s` after the member was first declared.
+
 The state is pure data (`FleetState`): the Pulumi program exports it and reads it back on the
 next run, like the plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from datetime import datetime
 from typing import Literal
 
@@ -48,6 +56,7 @@ from solver.types import FROZEN, Job
 
 State = Literal["starting", "ready", "retiring", "draining"]
 SERVING: frozenset[str] = frozenset({"ready", "retiring"})
+FRONTED: frozenset[str] = frozenset({"aggregated", "decode"})  # phases the gateway checks
 
 
 class Member(BaseModel):
@@ -119,19 +128,32 @@ def member_id(key: str, peers: list[str]) -> str:
 
 
 def transition(
-    previous: FleetState | None, plan: Plan, now: datetime, boot_s: float, drain_s: float = 0
+    previous: FleetState | None,
+    plan: Plan,
+    now: datetime,
+    boot_s: float,
+    drain_s: float = 0,
+    up: Collection[str] | None = None,
 ) -> FleetState:
-    """The members a run declares for `plan`, given the previous run's state (see module doc)."""
+    """The members a run declares for `plan`, given the previous run's state (see module doc).
+
+    `up`: the member ids whose heads pass the gateway's health check, when the gateway has
+    published a report; None without one (readiness then falls back to `boot_s`)."""
     before = previous.members if previous is not None else {}
+
+    def booted(m: Member) -> bool:
+        if up is not None and m.instance.phase in FRONTED:
+            return m.instance.key in up
+        return (now - m.declared_at).total_seconds() >= boot_s
+
     members: dict[str, Member] = {}
     for inst in plan.instances:
         peers = router_peers(plan, inst)
         mid = member_id(inst.key, peers)
         old = before.get(mid)
         declared = old.declared_at if old is not None else now
-        booted = old is not None and (now - declared).total_seconds() >= boot_s
         state: State = (
-            "ready" if booted or (old is not None and old.state in SERVING) else "starting"
+            "ready" if old is not None and (old.state in SERVING or booted(old)) else "starting"
         )
         members[mid] = Member(
             instance=inst.model_copy(update={"key": mid}),
@@ -156,7 +178,7 @@ def transition(
         job = (m.instance.model, m.instance.phase)
         needed = kept.get(job, 0.0) < demand.get(job, 0.0)
         # A leaving instance that never finished booting carries no traffic: nothing to keep.
-        serving = m.state in SERVING or (now - m.declared_at).total_seconds() >= boot_s
+        serving = m.state in SERVING or booted(m)
         state = "retiring" if needed and serving else "draining"
         if state == "retiring":
             kept[job] = kept.get(job, 0.0) + m.instance.throughput

@@ -78,7 +78,9 @@ def test_program_wires_the_key_by_name_only(tmp_path, preview):
     ]
     assert f"--secret-id {SECRET} " in gateway_vm.inputs["userData"]
     assert any(SECRET in arn for arn in _policy_resources(result, "gateway-read-config"))
-    (parameter,) = result.of_type("aws:ssm/parameter:Parameter")
+    (parameter,) = [
+        r for r in result.of_type("aws:ssm/parameter:Parameter") if r.name == "gateway-config"
+    ]
     config = gzip.decompress(base64.b64decode(parameter.inputs["insecureValue"])).decode()
     assert f"-f {API_KEY_FILE}" in config and "Bearer" not in config.split("# deploy.")[0]
 
@@ -88,7 +90,9 @@ def test_without_a_key_nothing_changes(tmp_path, preview):
     for r in result.of_type("aws:ec2/instance:Instance"):
         assert "API_KEY" not in r.inputs["userData"]
         assert "secretsmanager" not in r.inputs["userData"] or "hf-token" in r.inputs["userData"]
-    (parameter,) = result.of_type("aws:ssm/parameter:Parameter")
+    (parameter,) = [
+        r for r in result.of_type("aws:ssm/parameter:Parameter") if r.name == "gateway-config"
+    ]
     config = gzip.decompress(base64.b64decode(parameter.inputs["insecureValue"])).decode()
     assert API_KEY_FILE not in config
     assert _policy_resources(result, "node-read-hf-token") == [
@@ -301,7 +305,9 @@ def test_rendered_scripts_with_a_key_pass_shellcheck(tmp_path, preview):
             if f["path"].startswith("/usr/local/bin/"):
                 scripts.append(f["content"])
     sync = yaml.safe_load(render_gateway_user_data("keyed", "us-east-2", 8000, SECRET))
-    (synced,) = [f["content"] for f in sync["write_files"] if f["path"].startswith("/usr/local")]
+    (synced,) = [
+        f["content"] for f in sync["write_files"] if f["path"] == "/usr/local/bin/coral-gateway-sync"
+    ]
     assert synced in scripts and "secretsmanager get-secret-value" in synced  # the gateway VM's
     assert len(scripts) >= 3
     for i, text in enumerate(scripts):

@@ -21,6 +21,7 @@ from coral_iac.cli.app import app
 from coral_iac.gateway import (
     WEIGHT_MAX,
     gateway_upstreams,
+    health_parameter_name,
     parameter_name,
     parameter_value,
     render_gateway_user_data,
@@ -169,13 +170,25 @@ def test_gateway_user_data_passes_cloud_init_schema_and_shellcheck(tmp_path):
     )
     assert r.returncode == 0, r.stdout + r.stderr
     doc = yaml.safe_load(text)
-    (script,) = [w for w in doc["write_files"] if w["path"] == "/usr/local/bin/coral-gateway-sync"]
-    s = tmp_path / "coral-gateway-sync"
-    s.write_text(script["content"], encoding="utf-8")
-    r = subprocess.run([_tool("shellcheck"), str(s)], capture_output=True, text=True)
-    assert r.returncode == 0, r.stdout
-    assert {"haproxy", "awscli"} <= set(doc["packages"])
-    assert parameter_name("golden") in script["content"]
+    scripts = {
+        w["path"].rsplit("/", 1)[1]: w["content"]
+        for w in doc["write_files"]
+        if w["path"].startswith("/usr/local/bin/")
+    }
+    assert set(scripts) == {"coral-gateway-sync", "coral-gateway-health"}
+    for name, content in scripts.items():
+        s = tmp_path / name
+        s.write_text(content, encoding="utf-8")
+        r = subprocess.run([_tool("shellcheck"), str(s)], capture_output=True, text=True)
+        assert r.returncode == 0, name + r.stdout
+    assert {"haproxy", "awscli", "curl"} <= set(doc["packages"])
+    assert parameter_name("golden") in scripts["coral-gateway-sync"]
+    assert health_parameter_name("golden") in scripts["coral-gateway-health"]
+    # The service that syncs also reports health, right after each sync.
+    (unit,) = [w for w in doc["write_files"] if w["path"].endswith("coral-gateway-sync.service")]
+    assert unit["content"].index("coral-gateway-sync\n") < unit["content"].index(
+        "ExecStart=/usr/local/bin/coral-gateway-health"
+    )
 
 
 def test_weights_follow_template_throughput_and_only_ready_upstreams_get_any():
@@ -245,7 +258,9 @@ def test_a_configuration_too_large_for_ssm_is_refused():
 
 
 def config_of(result) -> str:
-    (param,) = result.of_type("aws:ssm/parameter:Parameter")
+    (param,) = [
+        r for r in result.of_type("aws:ssm/parameter:Parameter") if r.name == "gateway-config"
+    ]
     return gzip.decompress(base64.b64decode(param.inputs["insecureValue"])).decode()
 
 
@@ -281,9 +296,10 @@ def test_program_declares_a_locked_down_gateway(tmp_path, preview):
         }
     ]
     (policy,) = [p for p in result.of_type("aws:iam/rolePolicy:RolePolicy") if "gateway" in p.name]
-    (statement,) = json.loads(policy.inputs["policy"])["Statement"]
-    assert statement["Action"] == "ssm:GetParameter"
-    assert statement["Resource"] == "arn:aws:ssm:us-east-2:*:parameter/coral/gw/gateway/haproxy.cfg"
+    read, write = json.loads(policy.inputs["policy"])["Statement"]
+    assert (read["Action"], write["Action"]) == ("ssm:GetParameter", "ssm:PutParameter")
+    assert read["Resource"] == "arn:aws:ssm:us-east-2:*:parameter/coral/gw/gateway/haproxy.cfg"
+    assert write["Resource"] == "arn:aws:ssm:us-east-2:*:parameter/coral/gw/gateway/health"
     # Upstreams: each decode head's router on its private address (same VPC).
     decode_heads = [
         n
@@ -326,7 +342,8 @@ def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path, previe
     assert len(more.plan.instances) > len(first.plan.instances)
     before, after = declared(first), declared(more)
     gateway_keys = [k for k in before if "gateway" in k[1]]
-    assert len(gateway_keys) == 8  # component, group, role, policy, profile, VM, EIP, parameter
+    # component, group, role, policy, profile, VM, EIP, configuration and health parameters
+    assert len(gateway_keys) == 9
     changed = [k for k in gateway_keys if after[k] != before[k]]
     assert changed == [("aws:ssm/parameter:Parameter", "gateway-config")]  # updated in place
     assert after[changed[0]]["name"] == before[changed[0]]["name"]

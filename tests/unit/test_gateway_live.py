@@ -24,7 +24,12 @@ from typing import Any
 
 import pytest
 
-from coral_iac.gateway import gateway_upstreams, render_haproxy_config
+from coral_iac.gateway import (
+    gateway_upstreams,
+    render_haproxy_config,
+    render_health_script,
+    server_name,
+)
 from tests.unit.test_gateway import make_plan, serving_keys
 
 WEIGHT_TOLERANCE = 0.05  # |observed share - weight share| for 300 requests over 2 replicas
@@ -143,9 +148,10 @@ def _free_port() -> int:
 
 @contextmanager
 def fleet(
-    tmp_path: Path, interval_ms: int, states: dict[int, str]
+    tmp_path: Path, interval_ms: int, states: dict[int, str], stats_port: int | None = None
 ) -> Iterator[tuple[int, dict[str, FakeVllm]]]:
-    """HAProxy with the rendered configuration in front of one FakeVllm per serving instance."""
+    """HAProxy with the rendered configuration in front of one FakeVllm per serving instance;
+    its statistics on `stats_port` (a free port by default)."""
     haproxy = shutil.which("haproxy")
     assert haproxy, "haproxy is not installed: scripts/test installs it (scripts/debian_tools)"
     plan = make_plan(ROWS)
@@ -158,7 +164,10 @@ def fleet(
         plan, {k: b.address for k, b in backends.items()}, {keys[i]: s for i, s in states.items()}
     )
     cfg = tmp_path / "haproxy.cfg"
-    cfg.write_text(render_haproxy_config(upstreams, "live", port, interval_ms), encoding="utf-8")
+    config = render_haproxy_config(
+        upstreams, "live", port, interval_ms, stats_port=stats_port or _free_port()
+    )
+    cfg.write_text(config, encoding="utf-8")
     log = (tmp_path / "haproxy.log").open("w")
     proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=log, stderr=log)
     try:
@@ -261,3 +270,46 @@ def test_the_gateway_strips_the_prefix_and_keeps_the_body(tmp_path, by):
     with fleet(tmp_path, 1000, {}) as (port, backends):
         assert send(port, 3, "phi-4", by=by) == [200] * 3
         assert sum(len(b.served) for b in backends.values() if b.model == "phi-4") == 3
+
+
+def test_the_health_report_lists_exactly_the_replicas_passing_their_checks(tmp_path):
+    """The rendered coral-gateway-health against the real HAProxy's statistics, with a stand-in
+    `aws` that records what would be published."""
+    stats = _free_port()
+    state = tmp_path / "state"
+    state.mkdir()
+    script = tmp_path / "coral-gateway-health"
+    script.write_text(render_health_script("live", "us-east-2", stats, str(state)))
+    script.chmod(0o755)
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "aws-calls"
+    (bin_dir / "aws").write_text(f'#!/bin/sh\nprintf "%s\\n" "$*" >> {calls}\n')
+    (bin_dir / "aws").chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin"}
+
+    def published() -> list[list[str]]:
+        """The `up` list of every put-parameter call so far."""
+        lines = calls.read_text().splitlines() if calls.exists() else []
+        return [json.loads(line.split("--value ", 1)[1])["up"] for line in lines]
+
+    with fleet(tmp_path, 100, {1: "draining"}, stats_port=stats) as (_, backends):
+        keys = list(backends)
+        sick = keys[2]
+        backends[sick].healthy = False
+        deadline = time.monotonic() + 5
+        while backends[sick].failed_checks <= FALL and time.monotonic() < deadline:
+            time.sleep(0.02)
+        subprocess.run([str(script)], env=env, check=True, capture_output=True)
+        # Every replica but the sick one, the draining one too (it still passes /health).
+        assert published() == [sorted(server_name(k) for k in keys if k != sick)]
+        # Unchanged: nothing published again.
+        subprocess.run([str(script)], env=env, check=True, capture_output=True)
+        assert len(published()) == 1
+        # It recovers: after `rise` (2) passing checks it is listed again.
+        backends[sick].healthy = True
+        deadline = time.monotonic() + 5
+        while len(published()) == 1 and time.monotonic() < deadline:
+            subprocess.run([str(script)], env=env, check=True, capture_output=True)
+            time.sleep(0.05)
+        assert published()[-1] == sorted(server_name(k) for k in keys)

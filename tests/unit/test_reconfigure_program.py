@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import base64
 import gzip
+import json
 import re
 from datetime import UTC, datetime, timedelta
 
 import yaml
 
+from coral_iac.gateway import server_name
 from coral_iac.infra import slug
-from solver.operations.reconfiguration import SERVING, FleetState, served_demand
+from solver.operations.reconfiguration import FRONTED, SERVING, FleetState, served_demand
 from tests.conftest import REPO
 
 T0 = datetime(2026, 11, 1, tzinfo=UTC)
@@ -132,3 +134,83 @@ def test_a_model_removed_from_the_stack_is_deleted_not_a_crash(tmp_path, preview
     state = FleetState.model_validate_json(later.outputs["fleet_state"])
     assert {m.instance.model for m in state.members.values()} == {"phi-4"}
     assert not any("gpt-oss-20b" in r.name for r in later.of_type("aws:ec2/instance:Instance"))
+
+
+def report(state: FleetState, *keys: str) -> str:
+    """The gateway's health report listing `keys` (member ids) as passing."""
+    return json.dumps({"up": sorted(server_name(k) for k in keys)})
+
+
+def test_readiness_follows_the_gateways_health_report_not_the_clock(tmp_path, preview):
+    # Settled at 1 request/s, then scaled up: the new replicas start, the old ones retire.
+    settled = preview("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
+    settled = preview(
+        "dev", stacks_for(tmp_path, 1.0, 1.0), previous_outputs=settled.outputs,
+        now=T0 + timedelta(minutes=30),
+    )
+    up = preview(
+        "dev", stacks_for(tmp_path, 6.0, 1.0), previous_outputs=settled.outputs,
+        now=T0 + timedelta(hours=1),
+    )
+    state = FleetState.model_validate_json(up.outputs["fleet_state"])
+    # The gateway checks the heads it fronts (aggregated, decode); a P/D model's prefill
+    # replicas go by the clock, and the old ones serve while an old decode router uses them.
+    new = {k for k in state.by_state()["starting"] if state.members[k].instance.phase in FRONTED}
+    old = set(state.by_state()["retiring"])
+    assert new and old
+    # Two hours later (six boot times) no new head passes /health: nothing new is ready, and
+    # the old capacity keeps serving rather than draining.
+    later = T0 + timedelta(hours=3)
+    waiting = preview(
+        "dev", stacks_for(tmp_path, 6.0, 1.0), previous_outputs=up.outputs, now=later,
+        health_report=report(state),
+    )
+    waited = FleetState.model_validate_json(waiting.outputs["fleet_state"])
+    assert new <= set(waited.by_state()["starting"])
+    assert set(waited.by_state()["retiring"]) == old
+    # Once the gateway lists them, they are ready, and the old ones drain.
+    passed = preview(
+        "dev", stacks_for(tmp_path, 6.0, 1.0), previous_outputs=waiting.outputs,
+        now=later + timedelta(minutes=1), health_report=report(waited, *new),
+    )
+    done = FleetState.model_validate_json(passed.outputs["fleet_state"])
+    assert new <= set(done.by_state()["ready"])
+    assert set(done.by_state()["draining"]) == old
+
+
+def test_a_replica_that_passes_health_before_the_boot_time_is_ready_at_once(tmp_path, preview):
+    first = preview("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
+    state = FleetState.model_validate_json(first.outputs["fleet_state"])
+    fronted = [k for k, m in state.members.items() if m.instance.phase in ("aggregated", "decode")]
+    assert fronted
+    # Five minutes later, well within the 20-minute boot time.
+    soon = preview(
+        "dev", stacks_for(tmp_path, 1.0, 1.0), previous_outputs=first.outputs,
+        now=T0 + timedelta(minutes=5), health_report=report(state, *fronted),
+    )
+    after = FleetState.model_validate_json(soon.outputs["fleet_state"])
+    assert all(after.members[k].state == "ready" for k in fronted)
+    # Without a report, the same run goes by the clock: still starting.
+    blind = preview(
+        "dev", stacks_for(tmp_path, 1.0, 1.0), previous_outputs=first.outputs,
+        now=T0 + timedelta(minutes=5),
+    )
+    unseen = FleetState.model_validate_json(blind.outputs["fleet_state"])
+    assert all(unseen.members[k].state == "starting" for k in fronted)
+
+
+def test_the_health_parameter_is_declared_and_the_gateway_may_write_only_it(tmp_path, preview):
+    result = preview("dev", stacks_for(tmp_path, 1.0, 1.0), now=T0)
+    (health,) = [
+        r for r in result.of_type("aws:ssm/parameter:Parameter") if r.name == "gateway-health"
+    ]
+    assert health.inputs["name"] == "/coral/dev/gateway/health"
+    (policy,) = [
+        r for r in result.of_type("aws:iam/rolePolicy:RolePolicy") if r.name.startswith("gateway")
+    ]
+    puts = [
+        s["Resource"]
+        for s in json.loads(policy.inputs["policy"])["Statement"]
+        if s["Action"] == "ssm:PutParameter"
+    ]
+    assert puts == ["arn:aws:ssm:us-east-2:*:parameter/coral/dev/gateway/health"]
