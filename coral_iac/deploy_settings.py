@@ -42,6 +42,14 @@ class GatewaySettings(BaseModel):
     health_check_interval_ms: int = Field(
         default=2000, ge=100, le=60000, description="HAProxy's GET /health interval per replica."
     )
+    tls_secret: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z0-9/_+=.@-]{1,512}$",  # Secrets Manager's name characters
+        description="Secrets Manager name (in the gateway's region) of a PEM bundle: the "
+        "certificate, its chain and its unencrypted private key. Set, the API port speaks "
+        "HTTPS only (TLS 1.2+, HTTP/2 and 1.1); the gateway reloads a renewed certificate "
+        "within a poll. Default: plain HTTP.",
+    )
 
 
 class DeploySettings(BaseModel):

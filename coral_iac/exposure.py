@@ -39,7 +39,12 @@ def exposure_warnings(deploy: DeploySettings) -> list[str]:
         "internet"
     )
     if key:
-        return [f"{line}; every request needs the API key in secret '{key}'"]
+        plain = (
+            ""
+            if deploy.gateway.tls_secret
+            else " (sent in plain HTTP: set coral:fleet.deploy.gateway.tls_secret for HTTPS)"
+        )
+        return [f"{line}; every request needs the API key in secret '{key}'{plain}"]
     return [
         f"{line} with no API key: anyone can use the GPUs you pay for; list your clients' "
         "CIDRs, or set coral:fleet.deploy.api_key_secret to a secret holding an API key"

@@ -51,6 +51,8 @@ POLL_SECONDS = 30
 # The API key as HAProxy compares it ("Bearer <key>"), written by coral-gateway-sync from the
 # secret manager: never in the SSM parameter or the user-data.
 API_KEY_FILE = "/etc/haproxy/coral-api-keys"
+# deploy.gateway.tls_secret, as coral-gateway-sync writes it: certificate, chain, private key.
+TLS_FILE = "/etc/haproxy/tls/gateway.pem"
 # HAProxy's statistics (CSV), on loopback only: coral-gateway-health reads them.
 STATS_PORT = 8404
 STATE_DIR = "/var/lib/coral-gateway"  # the last health report published, to publish changes only
@@ -211,10 +213,12 @@ def render_haproxy_config(
     api_key: bool = False,
     buckets: Mapping[str, LengthBucket] | None = None,
     stats_port: int = STATS_PORT,
+    tls: bool = False,
 ) -> str:
     """HAProxy's configuration: one route per model, one backend per model or per length
     bucket (`buckets`: the plan's, by name; `Plan.buckets()`), one server per upstream; with
-    `api_key`, requests without the key in `API_KEY_FILE` get 401. Its statistics answer on
+    `api_key`, requests without the key in `API_KEY_FILE` get 401; with `tls`, the API port
+    speaks HTTPS only, with the certificate in `TLS_FILE`. Its statistics answer on
     127.0.0.1:`stats_port` only.
 
     Raises:
@@ -258,6 +262,7 @@ def render_haproxy_config(
             routes=routes,
             api_key_file=API_KEY_FILE if api_key else None,
             stats_port=stats_port,
+            tls_file=TLS_FILE if tls else None,
         )
     )
 
@@ -307,11 +312,16 @@ def render_health_script(
 
 
 def render_gateway_user_data(
-    stack: str, region: str, port: int, api_key_secret: str | None = None
+    stack: str,
+    region: str,
+    port: int,
+    api_key_secret: str | None = None,
+    tls_secret: str | None = None,
 ) -> str:
     """The gateway VM's `#cloud-config`: HAProxy with a configuration that answers 503 on
-    `port` until the first sync, and a timer that loads the plan's configuration (and the API
-    key from Secrets Manager when `api_key_secret` names one)."""
+    `port` until the first sync, and a timer that loads the plan's configuration (and from
+    Secrets Manager the API key when `api_key_secret` names one, the TLS certificate when
+    `tls_secret` does)."""
     env = _environment()
     values = {
         "stack": stack,
@@ -320,6 +330,8 @@ def render_gateway_user_data(
         "poll_seconds": POLL_SECONDS,
         "api_key_secret": api_key_secret,
         "api_key_file": API_KEY_FILE,
+        "tls_secret": tls_secret,
+        "tls_file": TLS_FILE,
     }
     sync = env.get_template("gateway-sync.sh.j2").render(**values)
     initial = env.get_template("haproxy-initial.cfg.j2").render(stack=stack, port=port)
@@ -408,7 +420,11 @@ class Gateway(pulumi.ComponentResource):
             iam_instance_profile=self._identity(name, args),
             # The user-data holds no plan (module doc): only a settings change replaces it.
             user_data=render_gateway_user_data(
-                args.stack, args.region, args.api_port, args.api_key_secret
+                args.stack,
+                args.region,
+                args.api_port,
+                args.api_key_secret,
+                args.settings.tls_secret,
             ),
             user_data_replace_on_change=True,
             metadata_options={
@@ -441,12 +457,13 @@ class Gateway(pulumi.ComponentResource):
             ),
         )
         self.public_ip = eip.public_ip
-        self.url = eip.public_ip.apply(lambda ip: f"http://{ip}:{args.api_port}")
+        scheme = "https" if args.settings.tls_secret else "http"
+        self.url = eip.public_ip.apply(lambda ip: f"{scheme}://{ip}:{args.api_port}")
         infra.gateway = GatewayPeer(args.settings.cloud, args.region, group.id, eip.public_ip)
 
     def _identity(self, name: str, args: GatewayArgs) -> pulumi.Output[str]:
-        """A role that may read this stack's gateway parameter (and its API key) and write its
-        health report, and nothing else."""
+        """A role that may read this stack's gateway parameter (and its API key and TLS
+        certificate) and write its health report, and nothing else."""
         role = aws.iam.Role(
             f"{name}-role",
             assume_role_policy=EC2_ASSUME_ROLE,
@@ -459,13 +476,18 @@ class Gateway(pulumi.ComponentResource):
             {"Effect": "Allow", "Action": "ssm:GetParameter", "Resource": arn},
             {"Effect": "Allow", "Action": "ssm:PutParameter", "Resource": health},
         ]
-        if args.api_key_secret:  # and the API key it checks
-            secret = (
-                f"arn:aws:secretsmanager:{args.region}:*:secret:{args.api_key_secret}"
-                f"{SECRET_SUFFIX}"
-            )
+        secrets = [  # the API key it checks, the certificate it serves
+            f"arn:aws:secretsmanager:{args.region}:*:secret:{name}{SECRET_SUFFIX}"
+            for name in (args.api_key_secret, args.settings.tls_secret)
+            if name
+        ]
+        if secrets:
             statements.append(
-                {"Effect": "Allow", "Action": "secretsmanager:GetSecretValue", "Resource": secret}
+                {
+                    "Effect": "Allow",
+                    "Action": "secretsmanager:GetSecretValue",
+                    "Resource": secrets[0] if len(secrets) == 1 else secrets,
+                }
             )
         aws.iam.RolePolicy(
             f"{name}-read-config",
@@ -497,6 +519,7 @@ class Gateway(pulumi.ComponentResource):
                 settings.health_check_interval_ms,
                 api_key=self.args.api_key_secret is not None,
                 buckets=plan.buckets(),
+                tls=settings.tls_secret is not None,
             )
             return parameter_value(config)
 

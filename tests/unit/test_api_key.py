@@ -370,5 +370,12 @@ def test_a_world_open_api_with_a_key_names_the_secret():
 
     (line,) = exposure_warnings(DeploySettings(api_cidrs=["0.0.0.0/0"], api_key_secret=SECRET))
     assert "whole internet" in line and f"API key in secret '{SECRET}'" in line
+    assert "plain HTTP" in line and "gateway.tls_secret" in line
+    (https,) = exposure_warnings(
+        DeploySettings(
+            api_cidrs=["0.0.0.0/0"], api_key_secret=SECRET, gateway={"tls_secret": "coral/tls"}
+        )
+    )
+    assert "plain HTTP" not in https and f"API key in secret '{SECRET}'" in https
     with pytest.raises(ValueError, match="api_key_secret"):
         DeploySettings(api_key_secret="")

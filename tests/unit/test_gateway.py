@@ -19,6 +19,7 @@ from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
 from coral_iac.gateway import (
+    TLS_FILE,
     WEIGHT_MAX,
     gateway_upstreams,
     health_parameter_name,
@@ -123,6 +124,12 @@ def golden_cases() -> dict[str, str]:
             gateway_upstreams(dis, addresses(dis), states), "golden", 8000, 2000
         ),
         "cloud-config.yaml": render_gateway_user_data("golden", "us-east-2", 8000),
+        "tls/haproxy.cfg": render_haproxy_config(
+            gateway_upstreams(agg, addresses(agg)), "golden", 8443, 2000, api_key=True, tls=True
+        ),
+        "tls/cloud-config.yaml": render_gateway_user_data(
+            "golden", "us-east-2", 8443, "coral/api-key", "coral/gateway-tls"
+        ),
     }
 
 
@@ -161,8 +168,42 @@ def test_haproxy_refuses_a_broken_configuration(tmp_path):
     assert r.returncode != 0
 
 
-def test_gateway_user_data_passes_cloud_init_schema_and_shellcheck(tmp_path):
-    text = golden_cases()["cloud-config.yaml"]
+def self_signed(tmp_path, name: str = "gateway") -> tuple[str, str]:
+    """A fresh self-signed certificate for 127.0.0.1: (the PEM bundle HAProxy loads, the
+    certificate alone, for a client to trust)."""
+    key, cert = tmp_path / f"{name}.key", tmp_path / f"{name}.crt"
+    subprocess.run(
+        [_tool("openssl"), "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256",
+         "-nodes", "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1",
+         "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert.read_text() + key.read_text(), cert.read_text()
+
+
+def test_haproxy_accepts_the_tls_configuration_with_a_certificate_and_only_with_one(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("Bearer k\n")
+    pem = tmp_path / "gateway.pem"
+    config = golden_cases()["tls/haproxy.cfg"].replace(TLS_FILE, str(pem))
+    cfg = tmp_path / "haproxy.cfg"
+    cfg.write_text(config.replace("/etc/haproxy/coral-api-keys", str(keys)), encoding="utf-8")
+
+    def check() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [_tool("haproxy"), "-c", "-f", str(cfg)], capture_output=True, text=True
+        )
+
+    assert check().returncode != 0  # no certificate yet
+    pem.write_text(self_signed(tmp_path)[0])
+    r = check()
+    assert r.returncode == 0 and "[WARNING]" not in r.stderr + r.stdout, r.stdout + r.stderr
+    assert f"bind :8443 ssl crt {TLS_FILE} ssl-min-ver TLSv1.2" in golden_cases()["tls/haproxy.cfg"]
+
+
+@pytest.mark.parametrize("case", ["cloud-config.yaml", "tls/cloud-config.yaml"])
+def test_gateway_user_data_passes_cloud_init_schema_and_shellcheck(tmp_path, case):
+    text = golden_cases()[case]
     f = tmp_path / "gateway.yaml"
     f.write_text(text, encoding="utf-8")
     r = subprocess.run(
@@ -314,6 +355,41 @@ def test_program_declares_a_locked_down_gateway(tmp_path, preview):
     assert eip.inputs["domain"] == "vpc"
     assert result.outputs["gateway"].startswith("http://198.51.")
     assert result.outputs["gateway_endpoints"] == {"phi-4": result.outputs["gateway"] + "/phi-4/v1"}
+
+
+def test_a_tls_secret_makes_the_gateway_https_and_only_that_secret_readable(tmp_path, preview):
+    stacks = stacks_with(
+        tmp_path,
+        "tls",
+        deploy={
+            "api_cidrs": ["203.0.113.0/24"],
+            "api_key_secret": "coral/api-key",
+            "gateway": {"tls_secret": "coral/gateway-tls"},
+        },
+    )
+    result = preview("tls", stacks)
+    assert result.outputs["gateway"].startswith("https://198.51.")
+    assert result.outputs["gateway_endpoints"]["phi-4"].startswith("https://")
+    (policy,) = [p for p in result.of_type("aws:iam/rolePolicy:RolePolicy") if "gateway" in p.name]
+    (secrets,) = [
+        s
+        for s in json.loads(policy.inputs["policy"])["Statement"]
+        if s["Action"] == "secretsmanager:GetSecretValue"
+    ]
+    assert secrets["Resource"] == [
+        "arn:aws:secretsmanager:us-east-2:*:secret:coral/api-key-??????",
+        "arn:aws:secretsmanager:us-east-2:*:secret:coral/gateway-tls-??????",
+    ]
+    user_data = gateway_vm(result).inputs["userData"]
+    assert "--secret-id coral/gateway-tls" in user_data and "BEGIN" in user_data
+    assert f"ssl crt {TLS_FILE}" in config_of(result)
+
+
+@pytest.mark.parametrize("name", ["", "has space", "quote'd"])
+def test_a_bad_tls_secret_name_is_refused_naming_the_field(tmp_path, name, preview):
+    stacks = stacks_with(tmp_path, "badtls", deploy={"gateway": {"tls_secret": name}})
+    with pytest.raises(Exception, match="tls_secret"):
+        preview("badtls", stacks)
 
 
 def declared(result) -> dict:

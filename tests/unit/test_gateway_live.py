@@ -4,7 +4,9 @@ in front of small HTTP servers that answer like vLLM's OpenAI server.
 Asserted: each model's requests reach only that model's replicas; the split across replicas
 follows the weights within WEIGHT_TOLERANCE; a replica failing GET /health stops receiving
 requests; draining and starting replicas receive none; a replica refusing connections costs no
-request (retried on another). About two seconds; HAProxy is a subprocess, not the system service.
+request (retried on another); with a TLS secret, the rendered sync installs the certificate
+(refusing one HAProxy cannot load) and HAProxy serves HTTPS only. A few seconds; HAProxy is a
+subprocess, not the system service.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import http.client
 import json
 import shutil
 import socket
+import ssl
 import subprocess
 import threading
 import time
@@ -25,12 +28,16 @@ from typing import Any
 import pytest
 
 from coral_iac.gateway import (
+    API_KEY_FILE,
+    TLS_FILE,
     gateway_upstreams,
+    parameter_value,
+    render_gateway_user_data,
     render_haproxy_config,
     render_health_script,
     server_name,
 )
-from tests.unit.test_gateway import make_plan, serving_keys
+from tests.unit.test_gateway import _files, make_plan, self_signed, serving_keys
 
 WEIGHT_TOLERANCE = 0.05  # |observed share - weight share| for 300 requests over 2 replicas
 FALL = 3  # HAProxy's `fall`: failed checks before a server is marked DOWN
@@ -313,3 +320,118 @@ def test_the_health_report_lists_exactly_the_replicas_passing_their_checks(tmp_p
             subprocess.run([str(script)], env=env, check=True, capture_output=True)
             time.sleep(0.05)
         assert published()[-1] == sorted(server_name(k) for k in keys)
+
+
+def test_the_sync_installs_the_certificate_and_the_gateway_serves_https_only(tmp_path):
+    """The rendered coral-gateway-sync with stand-ins for aws (the secrets and the parameter),
+    systemctl and install's owner flags, its paths under tmp_path; then the real HAProxy on what
+    it installed."""
+    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
+    (key,) = serving_keys(plan)
+    backend = FakeVllm("phi-4")
+    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    port = _free_port()
+    paths = {
+        "/etc/haproxy/haproxy.cfg": str(tmp_path / "haproxy.cfg"),
+        API_KEY_FILE: str(tmp_path / "api-keys"),
+        TLS_FILE: str(tmp_path / "tls" / "gateway.pem"),  # `install -D` makes the folder
+    }
+
+    def local(text: str) -> str:
+        for real, here in paths.items():
+            text = text.replace(real, here)
+        return text
+
+    config = local(
+        render_haproxy_config(
+            gateway_upstreams(plan, {key: backend.address}), "live", port, 100, True, tls=True
+        )
+    )
+    sync = tmp_path / "sync"
+    sync.write_text(
+        local(
+            _files(render_gateway_user_data("live", "us-east-2", port, "coral/key", "coral/tls"))[
+                "/usr/local/bin/coral-gateway-sync"
+            ]
+        )
+    )
+    secret = tmp_path / "secret.pem"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    calls = tmp_path / "systemctl-calls"
+    (bin_dir / "aws").write_text(
+        '#!/bin/sh\ncase "$*" in\n'
+        "  *coral/key*) echo s3cret ;;\n"
+        f"  *coral/tls*) cat {secret} ;;\n"
+        f"  *get-parameter*) echo {parameter_value(config)} ;;\n"
+        "esac\n"
+    )
+    (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
+    (bin_dir / "install").write_text(  # the owner flags need root; the rest is install's
+        "#!/bin/sh\nargs=''\nwhile [ $# -gt 0 ]; do\n"
+        '  case "$1" in -o|-g) shift 2 ;; *) args="$args $1"; shift ;; esac\n'
+        f"done\nexec {shutil.which('install')} $args\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/bin"}
+
+    def run_sync() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["bash", str(sync)], env=env, capture_output=True, text=True)
+
+    first, trusted = self_signed(tmp_path, "first")
+    other, _ = self_signed(tmp_path, "other")
+    secret.write_text(first)
+    r = run_sync()
+    assert r.returncode == 0, r.stderr
+    installed = Path(paths[TLS_FILE])
+    assert installed.read_text() == first
+    assert calls.read_text().splitlines()[-1] == "reload-or-restart haproxy.service"
+    # A certificate with another certificate's key: refused, the one in use stays.
+    secret.write_text(
+        first.split("-----BEGIN PRIVATE KEY-----")[0]
+        + other.split("-----END CERTIFICATE-----\n")[1]
+    )
+    r = run_sync()
+    assert r.returncode != 0 and "refuses the certificate" in r.stderr
+    assert installed.read_text() == first
+    # Something that is not PEM at all: refused, named.
+    secret.write_text("not a certificate")
+    r = run_sync()
+    assert r.returncode != 0 and "must hold PEM" in r.stderr
+
+    log = (tmp_path / "haproxy.log").open("w")
+    proc = subprocess.Popen(
+        [shutil.which("haproxy") or "haproxy", "-db", "-f", paths["/etc/haproxy/haproxy.cfg"]],
+        stdout=log,
+        stderr=log,
+    )
+    try:
+        _wait_until_listening(port, proc)
+        context = ssl.create_default_context(cadata=trusted)
+        body = json.dumps({"model": "phi-4", "prompt": "hi", "max_tokens": 1})
+        headers = {"Content-Type": "application/json", "Authorization": "Bearer s3cret"}
+        conn = http.client.HTTPSConnection("127.0.0.1", port, timeout=5, context=context)
+        conn.request("POST", "/phi-4/v1/completions", body, headers)
+        response = conn.getresponse()
+        response.read()
+        assert (response.status, conn.sock.version()) in {(200, "TLSv1.3"), (200, "TLSv1.2")}
+        conn.close()
+        # Plain HTTP on the same port gets no answer: the key never crosses in the clear.
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        with pytest.raises((http.client.HTTPException, OSError)):
+            plain.request("POST", "/phi-4/v1/completions", body, headers)
+            plain.getresponse().read()
+        plain.close()
+        # A client that does not trust the certificate is refused by its own TLS check.
+        with pytest.raises(ssl.SSLCertVerificationError):
+            strict = http.client.HTTPSConnection(
+                "127.0.0.1", port, timeout=5, context=ssl.create_default_context()
+            )
+            strict.request("GET", "/health")
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+        backend.kill()
+    assert len(backend.served) == 1
