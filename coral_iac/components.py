@@ -40,6 +40,7 @@ class ServingInstanceArgs:
     disk_headroom_gb: int
     router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
     subnet_id: pulumi.Input[str] | None = None  # AWS: the zone's subnet (`Infra.aws_node_subnet`)
+    gcp_zones: list[str] | None = None  # GCP: each node's zone, as offers (`gcp_node_zones`)
 
 
 class ServingInstance(pulumi.ComponentResource):
@@ -68,7 +69,8 @@ class ServingInstance(pulumi.ComponentResource):
                 node = _aws_node(node_name, args, offer, user_data, tags, disk_gb, child)
                 private_ip, public_ip = node.private_ip, node.public_ip
             else:
-                gcp_node = _gcp_node(node_name, args, offer, user_data, tags, disk_gb, child)
+                zone = args.gcp_zones[k] if args.gcp_zones else args.region.zone
+                gcp_node = _gcp_node(node_name, args, offer, zone, user_data, tags, disk_gb, child)
                 private_ip, public_ip = _gcp_ips(gcp_node)
             if boot.is_head:
                 head_ip = private_ip
@@ -145,6 +147,7 @@ def _gcp_node(
     name: str,
     args: ServingInstanceArgs,
     offer: Offer,
+    zone: str,
     user_data: pulumi.Output[str],
     tags: dict[str, str],
     disk_gb: int,
@@ -166,7 +169,7 @@ def _gcp_node(
         name,
         name=f"coral-{args.stack}-{digest}-n{tags['coral:node']}"[:63],
         machine_type=machine,
-        zone=args.region.zone,
+        zone=zone,
         boot_disk=gcp.compute.InstanceBootDiskArgs(
             initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
                 image=args.region.image, size=disk_gb, type="pd-balanced"

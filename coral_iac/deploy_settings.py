@@ -105,7 +105,9 @@ class DeploySettings(BaseModel):
         "too old for vLLM 0.33.0, so nodes install Python 3.12 with uv; images.yaml).",
     )
     gcp_zones: dict[str, str] = Field(
-        default_factory=dict, description="Region -> zone (default <region>-a)."
+        default_factory=dict,
+        description="Region -> zone for every GCP node there (default: per node, the first zone "
+        "the catalog says sells its offer).",
     )
     drain_minutes: float = Field(
         default=5,

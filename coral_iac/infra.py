@@ -4,8 +4,9 @@
   parameter, and a VPC with one public subnet (nodes download weights; inbound traffic is
   limited by security groups). Per stack: an IAM role and instance profile that may read only
   the Hugging Face token secret.
-- GCP, per region: an explicit provider and a subnetwork of the stack's network. Per stack: the
-  network, and a service account with secretAccessor on the token secret only.
+- GCP, per region: an explicit provider and a subnetwork of the stack's network (regional), and
+  per node a zone that sells its machine type (`gcp_node_zones`, from the catalog's `zones`).
+  Per stack: the network, and a service account with secretAccessor on the token secret only.
 - Per (model, region), a security group or firewall rules. Nodes of one model in one region
   reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
   instance must reach its decode router. The API port is open only to `deploy.api_cidrs`, and
@@ -29,6 +30,8 @@ import pulumi_gcp as gcp
 
 from coral_iac.bootstrap import secret_name
 from coral_iac.deploy_settings import DeploySettings
+from solver.catalog.offers import Offer
+from solver.errors import InputError
 
 # Trust policy of the roles EC2 instances run as (serving nodes, the gateway).
 EC2_ASSUME_ROLE = json.dumps(
@@ -420,6 +423,42 @@ class Infra:
                 )
             r.groups[model] = pulumi.Output.from_input(tag)
         return tag
+
+
+def gcp_node_zones(region: str, offers: list[Offer], chosen: str | None = None) -> list[str]:
+    """The zone of each of a replica's GCP nodes (same order as `offers`): the first zone (by
+    name) that sells every offer, so that a launch never fails for a machine type or GPU the
+    zone lacks (europe-west4 sells A100-80GB only in zone a, H100 only in b and c). Where no
+    zone sells them all, each node goes to the first zone that sells its own offer: the
+    replica spans zones of one regional subnet (the caller warns). Offers without recorded
+    zones go anywhere; with none recorded at all, `<region>-a`.
+
+    Args:
+        region: the GCP region.
+        offers: the replica's offers, one per node.
+        chosen: `deploy.gcp_zones[region]`, the user's zone for the region, if any.
+
+    Raises:
+        InputError: `chosen` is a zone where the catalog says an offer is not sold.
+    """
+    if chosen is not None:
+        for o in offers:
+            if o.zones and chosen not in o.zones:
+                raise InputError(
+                    f"coral:fleet.deploy.gcp_zones.{region}",
+                    f"{chosen} does not sell {o.instance_type} (the catalog: {', '.join(o.zones)})",
+                    f"remove the key so that Coral picks a zone per node, or choose one of "
+                    f"{', '.join(o.zones)}",
+                )
+        return [chosen] * len(offers)
+    recorded = [set(o.zones) for o in offers if o.zones]
+    if not recorded:
+        return [f"{region}-a"] * len(offers)
+    common = sorted(set.intersection(*recorded))
+    if common:
+        return [common[0]] * len(offers)
+    first = sorted(set.union(*recorded))[0]
+    return [min(o.zones) if o.zones else first for o in offers]
 
 
 def gcp_name(model: str) -> str:

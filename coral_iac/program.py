@@ -50,7 +50,7 @@ from coral_iac.gateway import (
     replicas_up,
 )
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
-from coral_iac.infra import Infra, slug
+from coral_iac.infra import Infra, gcp_node_zones, slug
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
@@ -238,6 +238,21 @@ def declare(
             if inst.cloud == "aws"
             else None
         )
+        try:
+            zones = (
+                gcp_node_zones(inst.region, offers, deploy.gcp_zones.get(inst.region))
+                if inst.cloud == "gcp"
+                else None
+            )
+        except CoralError as e:
+            raise pulumi.RunError(str(e)) from None
+        if zones is not None and len(set(zones)) > 1:
+            pulumi.log.warn(
+                f"{inst.key}: no zone of gcp:{inst.region} sells "
+                f"{', '.join(sorted({o.instance_type for o in offers}))} together, so its nodes "
+                f"run in {', '.join(sorted(set(zones)))}: pipeline traffic crosses zones "
+                "(inter-zone egress is billed, and adds latency)"
+            )
         router_ips = (
             [prefill_heads[k] for k in (peers or {}).get(inst.key) or router_peers(plan, inst)]
             if inst.phase == "decode"
@@ -260,6 +275,7 @@ def declare(
                 disk_headroom_gb=deploy.disk_headroom_gb,
                 router_prefill_ips=router_ips,
                 subnet_id=subnet,
+                gcp_zones=zones,
             ),
         )
         if inst.phase == "prefill":

@@ -79,6 +79,11 @@ class Offer(BaseModel):
     network_note: str = Field(default="", description="E.g. 'up to' (burst) figures.")
     price_usd_per_hour: float = Field(gt=0, description="On-demand Linux price, USD/hour.")
     availability: int = Field(ge=0, description="Default nodes rentable now (stack can override).")
+    zones: list[str] = Field(
+        default_factory=list,
+        description="Zones of the region that sell it, from the source's rows (GCP). Empty: "
+        "not recorded; the deployment then uses its default zone.",
+    )
     source: str = Field(description="Where the price came from.")
     retrieved: dt.date = Field(description="When the price was read.")
 

@@ -293,3 +293,36 @@ def test_nodes_launch_in_a_zone_that_offers_their_instance_types(tmp_path, previ
     everywhere = {(t, f"us-east-2{z}") for t in types for z in "abc"}
     with pytest.raises(pulumi.RunError, match="no availability zone of aws:us-east-2 offers"):
         preview("dev", REPO / "stacks", not_offered=everywhere)
+
+
+def test_gcp_nodes_go_to_a_zone_that_sells_their_machine_type(tmp_path, preview):
+    """Regression: every GCP node went to `<region>-a` (or deploy.gcp_zones), where
+    europe-west4 sells no H100 (a3-highgpu-8g: zones b and c in the catalog). A node now goes
+    to the first zone the catalog says sells its offer; a chosen zone that does not is refused
+    naming the key."""
+    stacks = stacks_with(
+        tmp_path,
+        "ew4",
+        base="dev-gcp",
+        regions=[{"cloud": "gcp", "region": "europe-west4"}],
+        models={  # phi-4's 10 KV heads do not split over 8 GPUs
+            "llama3.1-70b": {
+                "slo_ms": {"prefill": 3000, "decode": 100},
+                "mean_prompt_tokens": 1020,
+                "mean_output_tokens": 129,
+                "demand": {"requests_per_s": 1},
+            }
+        },
+        node_configs=["h100x8"],
+        library={"n_max": 8, "rho": 12, "mode": "vllm"},
+        allocation={"budget_usd_per_hour": 1000},
+    )
+    result = preview("ew4", stacks)
+    nodes = result.of_type("gcp:compute/instance:Instance")
+    assert nodes and {n.inputs["machineType"] for n in nodes} == {"a3-highgpu-8g"}
+    assert {n.inputs["zone"] for n in nodes} == {"europe-west4-b"}
+    doc = yaml.safe_load((stacks / "Pulumi.ew4.yaml").read_text())
+    doc["config"]["coral:fleet"]["deploy"]["gcp_zones"] = {"europe-west4": "europe-west4-a"}
+    (stacks / "Pulumi.ew4.yaml").write_text(yaml.safe_dump(doc))
+    with pytest.raises(pulumi.RunError, match=r"gcp_zones\.europe-west4.*does not sell a3-highgpu"):
+        preview("ew4", stacks)
