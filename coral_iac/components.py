@@ -91,7 +91,7 @@ def _user_data(
     if boot.is_head and router_prefill_ips:
         return pulumi.Output.all(*router_prefill_ips).apply(
             lambda ips: render_user_data(
-                boot.model_copy(update={"router": _router(ips, boot.ports)}), ""
+                boot.model_copy(update={"router": router_spec(ips, boot.ports)}), ""
             )
         )
     if boot.is_head:
@@ -205,7 +205,7 @@ def _gcp_ips(node: gcp.compute.Instance) -> tuple[pulumi.Output[str], pulumi.Out
     return private_ip, public_ip
 
 
-def _router(prefill_ips: list[str], ports: Ports) -> RouterSpec:
+def router_spec(prefill_ips: list[str], ports: Ports) -> RouterSpec:
     """The decode node's router: every prefill head of the model in its region, and itself
     (ports from the same `allocate_ports(deploy.api_port)` on every node)."""
     return RouterSpec(

@@ -11,7 +11,13 @@ What a cloud node has that this machine lacks is replaced by local stand-ins, ea
   CORAL_VLLM_VERSION is the CPU build's version, so `ensure_runtime` finds it);
 - the Hugging Face Hub is the tiny model's folder: the venv's `hf` is `fake_hf`, which "downloads"
   from it what the script asks for (and logs the file names), so `fetch_weights` runs as written;
-- `CPU_ENV`: what vLLM on CPU needs in each process's environment.
+  like `hf download` it writes each file under a temporary name and renames it, and skips a file
+  the local folder already holds;
+- the nodes of a prefill/decode pair share one models folder (`models_dir`): on the cloud each
+  has /opt/coral/models/<model>, and the NIXL handshake compares that path;
+- `CPU_ENV`: what vLLM on CPU needs in each process's environment;
+- `share_host`: two nodes on one host cannot both bind the NIXL side-channel port, so a second
+  prefill/decode node's is moved (each node announces its own; the peer learns it in-band).
 
 No `vllm serve` flag differs from the rendered command line unless `CPU_FLAGS` lists it with the
 reason; `cpu_argv` applies them and `differing_flags` is what the test checks against that list.
@@ -41,6 +47,7 @@ from tests.conftest import REPO
 CPU_VENV = REPO / ".vllm-cpu-venv"
 CPU_VERSION = "0.32.0+cpu"  # what `vllm --version` prints in .vllm-cpu-venv (scripts/vllm_cpu_env)
 LOCAL_PATHS = ("/opt/coral", "/etc/coral")
+START = "/usr/local/bin/coral-node-start"
 # Flags replaced on CPU: flag -> (value on CPU, why). Empty: every rendered flag runs as is.
 CPU_FLAGS: dict[str, tuple[str, str]] = {}
 # Per process, on CPU only (../vLLM's CPU worker): which core its OpenMP threads bind to (the
@@ -138,7 +145,10 @@ chosen = files or [n for n in sorted(os.listdir(src))
 os.makedirs(local, exist_ok=True)
 with open({str(log)!r}, "a") as out:
     for name in chosen:
-        shutil.copy(os.path.join(src, name), os.path.join(local, name))
+        source, target = os.path.join(src, name), os.path.join(local, name)
+        if not (os.path.exists(target) and os.path.getsize(target) == os.path.getsize(source)):
+            shutil.copy(source, target + ".incomplete")
+            os.replace(target + ".incomplete", target)
         out.write(name + "\\n")
 """)
     path.chmod(0o755)
@@ -161,6 +171,12 @@ class Node:
     def drain_script(self) -> Path:
         return self.root / "usr/local/bin/coral-node-drain"
 
+    def files_port(self, variable: str) -> int:
+        """The port the rendered start script exports as `variable`."""
+        found = re.search(rf"^export {variable}=(\d+)$", self.files[START], re.M)
+        assert found, f"no {variable} in the rendered start script"
+        return int(found.group(1))
+
 
 def lay_out(
     user_data: str,
@@ -169,13 +185,17 @@ def lay_out(
     model_dir: Path,
     layers: int,
     cpu_core: int,
+    models_dir: Path | None = None,
 ) -> Node:
     """Write one node's rendered files under `root` with the stand-ins of the module doc; the
-    layer partition rescaled to the tiny model's `layers` (VLLM_PP_LAYER_PARTITION)."""
+    layer partition rescaled to the tiny model's `layers` (VLLM_PP_LAYER_PARTITION);
+    /opt/coral/models at `models_dir` when given (shared by the nodes of a pair)."""
     doc = yaml.safe_load(user_data)
     files = {w["path"]: w["content"] for w in doc["write_files"]}
     out: dict[str, str] = {}
     for path, content in files.items():
+        if models_dir is not None:
+            content = content.replace("/opt/coral/models", str(models_dir))
         for local in LOCAL_PATHS:
             content = content.replace(local, f"{root}{local}")
         content = content.replace("http://169.254.169.254", metadata.url)
@@ -209,6 +229,15 @@ def lay_out(
     argvs = [shlex.split(line) for line in re.findall(r"^\s*args=\((.*)\)\s*$", out[
         "/usr/local/bin/coral-node-start"], re.M)]  # fmt: skip
     return Node(root, out, env, argvs, cpu_core)
+
+
+def share_host(node: Node, nixl_port: int) -> None:
+    """Move `node`'s NIXL side-channel port to `nixl_port` (module doc: two nodes, one host)."""
+    script = node.start_script()
+    text = script.read_text()
+    rendered = f"VLLM_NIXL_SIDE_CHANNEL_PORT={node.files_port('VLLM_NIXL_SIDE_CHANNEL_PORT')}"
+    assert rendered in text, "the start script no longer sets VLLM_NIXL_SIDE_CHANNEL_PORT"
+    script.write_text(text.replace(rendered, f"VLLM_NIXL_SIDE_CHANNEL_PORT={nixl_port}"))
 
 
 def rescale(partition: list[int], layers: int) -> list[int]:

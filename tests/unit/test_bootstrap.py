@@ -38,12 +38,8 @@ GOLDEN = REPO / "tests" / "golden" / "bootstrap"
 CARDS = load_model_cards()
 HEAD_IP = "10.0.7.21"
 API_KEY_SECRET = "coral/api-key"
-LAYERS = {"phi-4": 40, "qwen3-32b": 64, "llama3.1-70b": 80}
-HF = {
-    "phi-4": "microsoft/phi-4",
-    "qwen3-32b": "Qwen/Qwen3-32B",
-    "llama3.1-70b": "meta-llama/Llama-3.1-70B-Instruct",
-}
+LAYERS = {m: card.layers for m, card in CARDS.items()}
+HF = {m: card.hf_repo for m, card in CARDS.items()}
 
 
 def template(model, phase, nodes, stages):
