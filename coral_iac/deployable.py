@@ -1,10 +1,11 @@
 """Whether the Pulumi program will accept a plan: the checks it runs before declaring anything,
-without Pulumi, so `coral plan` can say so when it writes the plan."""
+without Pulumi, so `coral plan` can say so when it writes the plan; and what in an accepted plan
+has not been seen to serve (`unverified_placements`)."""
 
 from __future__ import annotations
 
 from solver.catalog.offers import Catalog
-from solver.plan.schema import Plan
+from solver.plan.schema import Plan, template_ref
 from solver.stack import FleetConfig
 
 
@@ -70,3 +71,32 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
             + "restrict the model's regions, or set serving: aggregated"
         )
     return problems
+
+
+def unverified_placements(plan: Plan) -> list[str]:
+    """What the plan deploys that has never been seen to serve, one warning line each (empty
+    when everything in it has). Not a refusal: the placement may work on GPUs; the line says
+    what to check and how to avoid it.
+
+    - A prefill instance whose layers are split over a pipeline (PP > 1): its KV hand-off to
+      a PP = 1 decode (NixlPushConnector) served no request on vLLM-CPU, where the decode's
+      NIXL handshake refused each prefill rank ("Number of KV layers must match between
+      prefill and decode"), and vLLM 0.33's handshake has the same check (docs/deploy.md,
+      "Not verified here").
+    """
+    split = sorted(
+        i.key
+        for i in plan.instances
+        if i.phase == "prefill"
+        and len(plan.templates[template_ref(i.model, i.phase, i.template)].stages) > 1
+    )
+    if not split:
+        return []
+    models = sorted({key.split("/", 1)[0] for key in split})
+    return [
+        f"{len(split)} prefill instance(s) of {', '.join(models)} split their layers over a "
+        "pipeline (PP > 1): a pipeline-split prefill handing KV to a decode has not been seen "
+        "to serve (it failed on vLLM-CPU in the NIXL handshake; docs/deploy.md, 'Not verified "
+        "here'). Boot one pair on GPUs before relying on it, or set the model's serving: "
+        "aggregated"
+    ]

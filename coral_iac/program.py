@@ -39,7 +39,7 @@ from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
-from coral_iac.deployable import deploy_problems
+from coral_iac.deployable import deploy_problems, unverified_placements
 from coral_iac.exposure import exposure_warnings
 from coral_iac.gateway import (
     Gateway,
@@ -457,6 +457,8 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None
     check_deployable(plan, fleet, perf.catalog)
+    for line in unverified_placements(plan):
+        pulumi.log.warn(line)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
     infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)

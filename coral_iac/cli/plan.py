@@ -19,6 +19,7 @@ from coral_iac.cli.console import (
     stacks_dir,
     warn,
 )
+from coral_iac.deployable import unverified_placements
 
 plan_app = typer.Typer(
     help="Plan a stack: the cheapest template instances per region that meet demand.",
@@ -102,13 +103,16 @@ def plan(
 
         assert out_file is not None
         write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
+    unverified = unverified_placements(result)
     if as_json:
-        print_json(plan_json(result) | {"deploy_problems": problems})
+        print_json(plan_json(result) | {"deploy_problems": problems, "unverified": unverified})
     else:
         show_plan(result)
         if write:
             err.print(f"Wrote {out_file}")
         show_deployable(problems)
+    for line in unverified:
+        warn(line)
     for a in result.below_target():
         warn(
             f"{a.model}: SLO attainment {100 * (a.judged or 0):.1f}% on the "
