@@ -211,6 +211,12 @@ def plan_to_target(
         plan, planned, headroom = relaxed, relaxed_planned, more
     if loop.progress and stop:
         loop.progress(f"stopped after round {loop.count - 1}: {stop}")
+    if loop.progress and fleet.attainment.verify_minutes > 0:
+        traced = sorted(m for m, spec in fleet.models.items() if trace_of(spec) is not None)
+        loop.progress(
+            f"verifying the plan on {fleet.attainment.verify_minutes:g} min of traffic it was "
+            "not planned on" + (f", and {', '.join(traced)} on the whole trace" if traced else "")
+        )
     return _verified(plan, fleet, perf, planned, headroom, root, stop)
 
 

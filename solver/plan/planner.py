@@ -270,6 +270,9 @@ def plan_to_targets(
 
         return solve
 
+    if on_round:  # minutes on a large stack the first time (the factors are cached after)
+        count = sum(len(lib.templates) for lib in libs.values())
+        on_round(f"capacity model: the SLO capacity of {count:,} templates")
     base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
     plan = plan_to_target(fleet, perf, libs, solve_as(method), root, on_round, base=base)
     if method != "coral" or fleet.attainment.rounds == 0:

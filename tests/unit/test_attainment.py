@@ -68,7 +68,9 @@ def test_the_closed_loop_stops_when_a_round_would_change_nothing(perf, dev_libra
     costs = [line.split(";")[0].split(": ")[1] for line in rounds]
     assert len(costs) == len(set(costs)) or len(rounds) == 1, lines  # no round repeats a plan
     assert "changed no instance" in plan.closed_loop_stop
-    assert lines[-1].endswith(plan.closed_loop_stop)
+    stops = [line for line in lines if "stopped after round" in line]
+    assert stops and stops[-1].endswith(plan.closed_loop_stop), lines
+    assert "verifying the plan on" in lines[-1]  # then the verification, said as it starts
 
 
 def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(

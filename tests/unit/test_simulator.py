@@ -263,6 +263,9 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
         app, ["plan", "--stack", "dev", "--library", str(lib), "--out", str(plan_file)]
     )
     assert r.exit_code == 0, r.output
+    # Every phase says it has begun: the capacity model, each round, the verification.
+    for line in ("capacity model: the SLO capacity of", "round 0:", "verifying the plan on 30 min"):
+        assert f"SLO closed loop, {line}" in r.output, r.output
     r = runner.invoke(
         app, ["simulate", "--stack", "dev", "--plan", str(plan_file), "--duration", "120", "--json"]
     )
