@@ -147,8 +147,9 @@ with open({str(log)!r}, "a") as out:
     for name in chosen:
         source, target = os.path.join(src, name), os.path.join(local, name)
         if not (os.path.exists(target) and os.path.getsize(target) == os.path.getsize(source)):
-            shutil.copy(source, target + ".incomplete")
-            os.replace(target + ".incomplete", target)
+            part = f"{{target}}.{{os.getpid()}}.incomplete"  # nodes sharing the folder race
+            shutil.copy(source, part)
+            os.replace(part, target)
         out.write(name + "\\n")
 """)
     path.chmod(0o755)
