@@ -84,15 +84,15 @@ def unverified_placements(plan: Plan) -> list[str]:
       prefill and decode"), and vLLM 0.33's handshake has the same check (docs/deploy.md,
       "Not verified here").
     """
-    split = sorted(
-        i.key
+    split = [
+        i
         for i in plan.instances
         if i.phase == "prefill"
         and len(plan.templates[template_ref(i.model, i.phase, i.template)].stages) > 1
-    )
+    ]
     if not split:
         return []
-    models = sorted({key.split("/", 1)[0] for key in split})
+    models = sorted({i.model for i in split})
     return [
         f"{len(split)} prefill instance(s) of {', '.join(models)} split their layers over a "
         "pipeline (PP > 1): a pipeline-split prefill handing KV to a decode has not been seen "

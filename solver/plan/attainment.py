@@ -211,13 +211,7 @@ def plan_to_target(
         plan, planned, headroom = relaxed, relaxed_planned, more
     if loop.progress and stop:
         loop.progress(f"stopped after round {loop.count - 1}: {stop}")
-    if loop.progress and fleet.attainment.verify_minutes > 0:
-        traced = sorted(m for m, spec in fleet.models.items() if trace_of(spec) is not None)
-        loop.progress(
-            f"verifying the plan on {fleet.attainment.verify_minutes:g} min of traffic it was "
-            "not planned on" + (f", and {', '.join(traced)} on the whole trace" if traced else "")
-        )
-    return _verified(plan, fleet, perf, planned, headroom, root, stop)
+    return _verified(plan, fleet, perf, planned, headroom, root, stop, loop.progress)
 
 
 BOOSTS = (1.0, 2.0, 4.0, 8.0)  # a cut that changes nothing doubles its floor, to MAX_STEP
@@ -475,12 +469,18 @@ def _verified(
     headroom: dict[Job, float],
     root: Path | None,
     stop: str = "",
+    progress: Callable[[str], None] | None = None,
 ) -> Plan:
     minutes = fleet.attainment.verify_minutes
-    sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
     # Trace-backed models are also replayed on their whole trace: a verification window that
     # the hour as a whole contradicts is said, not hidden (`ModelAttainment.replay_gap`).
     traced = {m for m, spec in fleet.models.items() if trace_of(spec) is not None}
+    if progress and minutes > 0:
+        whole_trace = f", and {', '.join(sorted(traced))} on the whole trace" if traced else ""
+        progress(
+            f"verifying the plan on {minutes:g} min of traffic it was not planned on{whole_trace}"
+        )
+    sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
     whole = (
         _simulate(plan, fleet, perf, "replay", REPLAY_MAX_S, root, traced)
         if minutes > 0 and traced

@@ -30,6 +30,7 @@ from tests.serving import harness
 from tests.serving.harness import CPU_FLAGS, Metadata, call, fake_cli, free_port, lay_out
 from tests.unit.test_bootstrap import HEAD_IP, LAYERS, boots_for, template
 from tests.unit.test_gateway import make_plan, serving_keys
+from tests.unit.test_gateway_live import _wait_until_listening
 
 pytestmark = pytest.mark.serving
 REPO = Path(__file__).resolve().parents[2]
@@ -102,10 +103,7 @@ def gateway(tmp_path: Path, model: str, head: str) -> Iterator[tuple[int, int, s
     with (tmp_path / "gateway.log").open("w") as log:
         proc = subprocess.Popen([haproxy, "-db", "-f", str(cfg)], stdout=log, stderr=log)
     try:
-        deadline = time.monotonic() + 10
-        while call("GET", f"http://127.0.0.1:{port}/", timeout=1)[0] == 0:
-            assert proc.poll() is None and time.monotonic() < deadline, "HAProxy did not start"
-            time.sleep(0.1)
+        _wait_until_listening(port, proc)
         yield port, stats, key
     finally:
         proc.terminate()
