@@ -90,9 +90,12 @@ def plan(
         )
     if out_file is not None and out_file.is_dir():  # before minutes of planning, not after
         raise InputError(str(out_file), "is a folder", "give a file path, e.g. plan.json")
-    result, problems = make_plan(
-        stack, baseline or "coral", previous, library, workers, add_only, force
-    )
+    from solver.timing import timed
+
+    with timed() as times:
+        result, problems = make_plan(
+            stack, baseline or "coral", previous, library, workers, add_only, force
+        )
     if (line := gap_warning(result)) is not None:
         warn(line)
     failed = result.served_fraction < 1 or bool(result.below_target())
@@ -105,9 +108,11 @@ def plan(
         write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
     unverified = unverified_placements(result)
     if as_json:
-        print_json(plan_json(result) | {"deploy_problems": problems, "unverified": unverified})
+        extra = {"deploy_problems": problems, "unverified": unverified, "timings": times.table()}
+        print_json(plan_json(result) | extra)
     else:
         show_plan(result)
+        err.print(phase_line(times), highlight=False)
         if write:
             err.print(f"Wrote {out_file}")
         show_deployable(problems)
@@ -132,6 +137,12 @@ def plan(
         err.print(f"Left {out_file} as it was.")
     if strict and failed:
         raise typer.Exit(EXIT_SCARCE)
+
+
+def phase_line(times: Any) -> str:
+    """The run's wall time and its phases that took time, in one line."""
+    spent = [f"{name} {s:.1f} s" for name, s in times.table().items() if s >= 0.05]
+    return f"Planned in {times.wall:.1f} s: " + ", ".join(spent)
 
 
 def make_plan(

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import numpy as np
 
+from solver import timing
 from solver.io import digest, write_atomic
 from solver.performance.perf_model import PerfModel
 from solver.plan.schema import ModelAttainment, Plan, template_ref
@@ -325,7 +326,10 @@ class _Loop:
         todo = {m for m, k in keys.items() if k not in self.cache}
         if todo:
             minutes = self.fleet.attainment.planning_minutes
-            fresh = _simulate(plan, self.fleet, self.perf, "plan", minutes * 60, self.root, todo)
+            with timing.phase("closed-loop simulation"):
+                fresh = _simulate(
+                    plan, self.fleet, self.perf, "plan", minutes * 60, self.root, todo
+                )
             self.cache.update({keys[m]: r for m, r in fresh.items()})
         sims = {m: self.cache[k] for m, k in keys.items() if k in self.cache}
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
@@ -480,12 +484,13 @@ def _verified(
         progress(
             f"verifying the plan on {minutes:g} min of traffic it was not planned on{whole_trace}"
         )
-    sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
-    whole = (
-        _simulate(plan, fleet, perf, "replay", REPLAY_MAX_S, root, traced)
-        if minutes > 0 and traced
-        else {}
-    )
+    with timing.phase("verification"):
+        sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
+        whole = (
+            _simulate(plan, fleet, perf, "replay", REPLAY_MAX_S, root, traced)
+            if minutes > 0 and traced
+            else {}
+        )
     rows = []
     for model, spec in sorted(fleet.models.items()):
         r = sim.get(model)

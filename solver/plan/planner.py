@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from solver import timing
 from solver.allocation.problem import Column, Problem, Solution, make_columns
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market, build_market
@@ -26,6 +27,7 @@ from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
 
+@timing.phase("library")
 def libraries_for(
     perf: PerfModel,
     fleet: FleetConfig,
@@ -62,8 +64,16 @@ def libraries_for(
             todo.append(job)
     if todo:
         _check_owner(directory, stack, force)
-        for lib in build_libraries(perf, fleet, todo, workers, progress):
-            save_library(lib, directory, stack)
+        # Each library is saved as soon as it is built: a build stopped half-way resumes from
+        # the (model, phase) libraries it finished.
+        for lib in build_libraries(
+            perf,
+            fleet,
+            todo,
+            workers,
+            progress,
+            on_built=lambda b: save_library(b, directory, stack),
+        ):
             libs[(lib.model, lib.phase)] = lib
     return libs
 
@@ -201,6 +211,7 @@ def _at_capacity(t: ServingTemplate, factor: float) -> ServingTemplate:
     return hit[1]
 
 
+@timing.phase("ILP")
 def plan_stack(
     stack: str,
     fleet: FleetConfig,
@@ -273,7 +284,8 @@ def plan_to_targets(
     if on_round:  # minutes on a large stack the first time (the factors are cached after)
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
-    base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
+    with timing.phase("capacity model"):
+        base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
     plan = plan_to_target(fleet, perf, libs, solve_as(method), root, on_round, base=base)
     if method != "coral" or fleet.attainment.rounds == 0:
         return plan

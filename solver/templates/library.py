@@ -135,11 +135,14 @@ def build_libraries(
     progress: Callable[[Job, int, int], None] | None = None,
     executor: Executor = "process",
     ray_address: str | None = None,
+    on_built: Callable[[Library], object] | None = None,
 ) -> list[Library]:
     """Enumerate, place and prune every node multiset of each (model, phase) job.
 
     All jobs share one pool of workers, so small libraries fill the gaps of large ones.
-    `progress(job, done, total)` is called as chunks of multisets finish.
+    `progress(job, done, total)` is called as chunks of multisets finish; `on_built(library)`
+    as each job's library is complete (jobs finish in order), so a caller can save it before
+    the next one is done and an interrupted build keeps what it finished.
     """
     settings = fleet.library
     nodes, _ = available_node_configs(fleet, perf.catalog)
@@ -158,42 +161,58 @@ def build_libraries(
     done = dict.fromkeys(jobs, 0)
     # Jobs run in task order on a shared pool: a job's time is from the previous job's end.
     last_end = time.perf_counter()
-    elapsed: dict[Job, float] = {}
+    built: dict[Job, Library] = {}
     for (job, chunk), result in zip(
         tasks, run_tasks(perf, fleet, tasks, workers, executor, ray_address), strict=True
     ):
         found[job].extend(result)
         done[job] += len(chunk)
-        if done[job] == len(multisets[job]):
-            now = time.perf_counter()
-            elapsed[job], last_end = now - last_end, now
         if progress:
             progress(job, done[job], len(multisets[job]))
-    libraries = []
-    for job in jobs:
-        model, phase = job
-        kept, dominated = prune_dominated(found[job])
-        rows = RowSource(perf, model, phase, fleet.models[model], nodes)
-        templates = sorted((to_template(rows, c) for c in kept), key=lambda t: t.key)
-        libraries.append(
-            Library(
-                model=model,
-                phase=phase,
-                mode=settings.mode,
-                slo_ms=_slo_of(fleet, model, phase),
-                input_hashes=input_hashes(perf, fleet, model, phase),
-                node_configs=nodes,
-                stats=LibraryStats(
-                    enumerated=len(multisets[job]),
-                    feasible=len(found[job]),
-                    dominated=dominated,
-                    kept=len(kept),
-                    build_seconds=round(elapsed.get(job, 0.0), 3),
-                ),
-                templates=templates,
-            )
-        )
-    return libraries
+        if done[job] == len(multisets[job]):
+            seconds = time.perf_counter() - last_end
+            built[job] = _library(perf, fleet, nodes, job, len(multisets[job]), found[job], seconds)
+            last_end = time.perf_counter()
+            if on_built:
+                on_built(built[job])
+    for job in jobs:  # a job with no multiset to place has no chunk
+        if job not in built:
+            built[job] = _library(perf, fleet, nodes, job, 0, [], 0.0)
+            if on_built:
+                on_built(built[job])
+    return [built[job] for job in jobs]
+
+
+def _library(
+    perf: PerfModel,
+    fleet: FleetConfig,
+    nodes: list[str],
+    job: Job,
+    enumerated: int,
+    found: list[Candidate],
+    seconds: float,
+) -> Library:
+    """A job's library from its placed candidates: the undominated ones, as templates."""
+    model, phase = job
+    kept, dominated = prune_dominated(found)
+    rows = RowSource(perf, model, phase, fleet.models[model], nodes)
+    templates = sorted((to_template(rows, c) for c in kept), key=lambda t: t.key)
+    return Library(
+        model=model,
+        phase=phase,
+        mode=fleet.library.mode,
+        slo_ms=_slo_of(fleet, model, phase),
+        input_hashes=input_hashes(perf, fleet, model, phase),
+        node_configs=nodes,
+        stats=LibraryStats(
+            enumerated=enumerated,
+            feasible=len(found),
+            dominated=dominated,
+            kept=len(kept),
+            build_seconds=round(seconds, 3),
+        ),
+        templates=templates,
+    )
 
 
 def build_library(

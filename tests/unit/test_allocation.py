@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -297,6 +298,10 @@ def test_cli_plan_json_diff_and_strict(tmp_path, monkeypatch):
     ):
         assert key in data
     assert data["status"] == "optimal" and data["served_fraction"] == 1
+    # Where the run's time went: the library was built, the ILP and the verification ran.
+    spent = data["timings"]
+    assert spent["library"] > 0 and spent["ILP"] > 0 and spent["verification"] > 0
+    assert "timings" not in json.loads(first.read_text())  # the plan file stays the same
     second = tmp_path / "again.json"
     r = runner.invoke(
         app,
@@ -313,6 +318,7 @@ def test_cli_plan_json_diff_and_strict(tmp_path, monkeypatch):
         ],
     )
     assert r.exit_code == 0, r.output
+    assert re.search(r"Planned in [0-9.]+ s: .*ILP [0-9.]+ s", r.stderr), r.stderr
     r = runner.invoke(app, ["plan", "diff", str(first), str(second), "--json"])
     assert r.exit_code == 0, r.output
     assert (
@@ -525,7 +531,7 @@ def test_the_planner_tells_stale_from_missing_by_type_not_by_wording(monkeypatch
     built = []
     monkeypatch.setattr(planner, "load_library", stale)
     monkeypatch.setattr(
-        planner, "build_libraries", lambda perf_, fleet_, todo, *a: built.extend(todo) or []
+        planner, "build_libraries", lambda perf_, fleet_, todo, *a, **k: built.extend(todo) or []
     )
     job = ("phi-4", "decode")
     planner.libraries_for(perf(), fleet(), [job], tmp_path, build_missing=False)

@@ -226,3 +226,35 @@ def test_without_mixing_every_template_has_one_gpu_type_and_costs_no_less():
     model = next(iter(unmixed.models))
     hashes = [input_hashes(small_perf(), f, model, "decode") for f in (unmixed, fleet())]
     assert hashes[0]["mixing"] and "mixing" not in hashes[1]
+
+
+def test_an_interrupted_build_resumes_from_the_libraries_it_finished(perf, tmp_path, monkeypatch):
+    """Stopped while the second job builds, the first job's library is on disk, and the next
+    run builds only the second."""
+    from solver.plan import planner
+
+    fleet = load_stack(STACKS, "paper-core")
+    jobs = [("phi-4", "decode"), ("gpt-oss-20b", "prefill")]
+
+    def stop_at_second(job, done, total):
+        if job == jobs[1]:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        planner.libraries_for(perf, fleet, jobs, tmp_path, workers=1, progress=stop_at_second)
+    assert load_library(tmp_path, perf, fleet, *jobs[0]).templates
+    with pytest.raises(InputError):
+        load_library(tmp_path, perf, fleet, *jobs[1])
+
+    built: list[tuple[str, str]] = []
+    real = planner.build_libraries
+    monkeypatch.setattr(
+        planner,
+        "build_libraries",
+        lambda perf_, fleet_, todo, *a, **k: (
+            built.extend(todo) or real(perf_, fleet_, todo, *a, **k)
+        ),
+    )
+    libs = planner.libraries_for(perf, fleet, jobs, tmp_path, workers=1)
+    assert built == [jobs[1]]
+    assert set(libs) == set(jobs)
