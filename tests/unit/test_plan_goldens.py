@@ -1,7 +1,7 @@
 """Every committed stack plans to the same cost and instances as its golden summary.
 
 Speed work must not change what `coral plan` buys: each stack is planned through the CLI and its
-summary (cost, served fractions, instances per template and region) compared with
+summary (cost, served fractions, instances and GPUs per model and phase) compared with
 tests/golden/plans/<stack>.json. `CORAL_ACCEPT=1` rewrites a summary, for a change meant to
 change plans. The stacks that plan in seconds run by default; the large paper stacks (a minute
 or more each on 2 cores) are marked `plans` and run by scripts/test_plans.
@@ -34,16 +34,24 @@ LARGE = [
 
 
 def summary(plan: dict[str, Any]) -> dict[str, Any]:
-    """What a plan buys: its cost, the fraction of each model served, and its instances."""
-    count = Counter(
-        f"{i['model']}/{i['phase']}/{i['cloud']}:{i['region']}/{i['template']}"
-        for i in plan["instances"]
-    )
+    """What a plan buys: its cost, the fraction of each model served, and per (model, phase)
+    its instances and GPUs by type. Which region or node config holds a GPU is left out: the
+    ILP stops within its relative gap, and plans of equal cost that swap equal-priced nodes
+    between regions or node configs are ties it may break either way."""
+    instances: Counter[str] = Counter()
+    gpus: Counter[str] = Counter()
+    for i in plan["instances"]:
+        job = f"{i['model']}/{i['phase']}"
+        instances[job] += 1
+        for node in i["nodes"]:
+            gpu, count = node.rsplit("x", 1)
+            gpus[f"{job}/{gpu}"] += int(count)
     return {
         "stack": plan["stack"],
         "hourly_cost_usd": plan["hourly_cost_usd"],
         "served_fractions": plan["served_fractions"],
-        "instances": dict(sorted(count.items())),
+        "instances": dict(sorted(instances.items())),
+        "gpus": dict(sorted(gpus.items())),
     }
 
 
