@@ -157,13 +157,15 @@ def plan_to_target(
     progress: Callable[[str], None] | None = None,
     cache: Path | None = None,
     base: dict[str, float] | None = None,
+    simulations: Simulations | None = None,
 ) -> Plan:
     """The closed loop and the verification (module doc); `solve(factors)` plans once;
     `cache`: where the capacity model's factors are kept (`base_factors`); `base`: those
-    factors, when the caller has them already."""
+    factors, when the caller has them already; `simulations`: results to reuse (shared with
+    the caller's other closed loops)."""
     if base is None:
         base = base_factors(fleet, perf, libs, root, cache)
-    loop = _Loop(fleet, perf, base, solve, root, progress)
+    loop = _Loop(fleet, perf, base, solve, root, progress, simulations)
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
@@ -212,7 +214,7 @@ def plan_to_target(
         plan, planned, headroom = relaxed, relaxed_planned, more
     if loop.progress and stop:
         loop.progress(f"stopped after round {loop.count - 1}: {stop}")
-    return _verified(plan, fleet, perf, planned, headroom, root, stop, loop.progress)
+    return _verified(plan, fleet, perf, planned, headroom, root, stop, loop.progress, loop.sims)
 
 
 BOOSTS = (1.0, 2.0, 4.0, 8.0)  # a cut that changes nothing doubles its floor, to MAX_STEP
@@ -308,12 +310,12 @@ class _Loop:
         solve: PlanFn,
         root: Path | None,
         progress: Callable[[str], None] | None,
+        sims: Simulations | None = None,
     ) -> None:
         self.fleet, self.perf, self.base, self.solve = fleet, perf, base, solve
         self.root, self.progress, self.count = root, progress, 0
-        # A model's simulation depends only on its own instances and the served fraction, so
-        # a round re-simulates only the models whose instances changed.
-        self.cache: dict[tuple[object, ...], ModelResult] = {}
+        # A round re-simulates only the models whose instances (or served fraction) changed.
+        self.sims = sims if sims is not None else Simulations(perf, root)
 
     def run(
         self, headroom: dict[Job, float], plan: Plan | None = None, simulate_it: bool = True
@@ -322,16 +324,9 @@ class _Loop:
         plan = plan or self.solve(_scaled(self.base, headroom))
         if not simulate_it or not plan.instances:
             return plan, {}, {}
-        keys = _fleet_keys(plan)
-        todo = {m for m, k in keys.items() if k not in self.cache}
-        if todo:
-            minutes = self.fleet.attainment.planning_minutes
-            with timing.phase("closed-loop simulation"):
-                fresh = _simulate(
-                    plan, self.fleet, self.perf, "plan", minutes * 60, self.root, todo
-                )
-            self.cache.update({keys[m]: r for m, r in fresh.items()})
-        sims = {m: self.cache[k] for m, k in keys.items() if k in self.cache}
+        minutes = self.fleet.attainment.planning_minutes
+        with timing.phase("closed-loop simulation"):
+            sims = self.sims.run(plan, self.fleet, "plan", minutes * 60)
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
         if self.progress:
             line = ", ".join(f"{m} {100 * a:.1f}%" for m, a in sorted(planned.items()))
@@ -449,17 +444,53 @@ def simulate_workload(
     return simulate(plan, fleet, perf, traces, duration_s) if traces else None
 
 
-def _simulate(
-    plan: Plan,
-    fleet: FleetConfig,
-    perf: PerfModel,
-    purpose: Purpose,
-    duration_s: float,
-    root: Path | None,
-    models: set[str] | None = None,
-) -> dict[str, ModelResult]:
-    result = simulate_workload(plan, fleet, perf, purpose, duration_s, root, models)
-    return result.models if result is not None else {}
+class Simulations:
+    """Each model's simulated result, kept for reuse within one `coral plan`: by the closed
+    loop's rounds, by both of its searches (mixed and single-config templates often plan a
+    model alike), by length routing's plans and by the verification.
+
+    A model's result depends only on what its key holds: the workload (purpose, window, the
+    model's spec and its place in name order, which seeds its requests), the fraction of its
+    demand served, and its instances' templates; other models' instances never meet its
+    requests."""
+
+    def __init__(self, perf: PerfModel, root: Path | None) -> None:
+        self.perf, self.root = perf, root
+        self._results: dict[tuple[object, ...], ModelResult] = {}
+
+    def run(
+        self,
+        plan: Plan,
+        fleet: FleetConfig,
+        purpose: Purpose,
+        duration_s: float,
+        models: set[str] | None = None,
+    ) -> dict[str, ModelResult]:
+        """`plan` simulated on its stack's `purpose` workload for at least `duration_s`
+        (`simulate_workload`), per served model (of `models` when given), reusing results."""
+        traces, duration_s = _traces(fleet, purpose, duration_s, plan, self.root)
+        templates: dict[str, list[str]] = {}
+        for i in plan.instances:
+            templates.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
+        order = {m: k for k, m in enumerate(sorted(fleet.models))}
+        keys = {
+            m: (
+                purpose,
+                duration_s,
+                m,
+                order[m],
+                fleet.models[m].model_dump_json(),
+                plan.fraction_of(m),
+                *sorted(t),
+            )
+            for m, t in templates.items()
+            if m in traces and (models is None or m in models)
+        }
+        todo = {m: traces[m] for m, k in keys.items() if k not in self._results}
+        if todo:
+            fresh = simulate(plan, fleet, self.perf, todo, duration_s).models
+            self._results.update({keys[m]: r for m, r in fresh.items()})
+        return {m: self._results[k] for m, k in keys.items()}
 
 
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
@@ -474,7 +505,9 @@ def _verified(
     root: Path | None,
     stop: str = "",
     progress: Callable[[str], None] | None = None,
+    sims: Simulations | None = None,
 ) -> Plan:
+    sims = sims if sims is not None else Simulations(perf, root)
     minutes = fleet.attainment.verify_minutes
     # Trace-backed models are also replayed on their whole trace: a verification window that
     # the hour as a whole contradicts is said, not hidden (`ModelAttainment.replay_gap`).
@@ -485,11 +518,9 @@ def _verified(
             f"verifying the plan on {minutes:g} min of traffic it was not planned on{whole_trace}"
         )
     with timing.phase("verification"):
-        sim = _simulate(plan, fleet, perf, "verify", minutes * 60, root) if minutes > 0 else {}
+        sim = sims.run(plan, fleet, "verify", minutes * 60) if minutes > 0 else {}
         whole = (
-            _simulate(plan, fleet, perf, "replay", REPLAY_MAX_S, root, traced)
-            if minutes > 0 and traced
-            else {}
+            sims.run(plan, fleet, "replay", REPLAY_MAX_S, traced) if minutes > 0 and traced else {}
         )
     rows = []
     for model, spec in sorted(fleet.models.items()):

@@ -18,6 +18,7 @@ from solver.catalog.offers import Catalog
 from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
+from solver.plan.attainment import Simulations, base_factors, plan_to_target
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, template_ref
 from solver.plan.validator import validate_plan
@@ -267,11 +268,13 @@ def plan_to_targets(
     root: Path | None = None,
     on_round: Callable[[str], None] | None = None,
     cache: Path | None = None,
+    simulations: Simulations | None = None,
 ) -> Plan:
     """The method planned to the models' SLO attainment targets (the closed loop and the
     verification, `attainment.plan_to_target`). For Coral the loop also runs over single-config
-    templates, and the better plan is kept (`better_at_target`)."""
-    from solver.plan.attainment import base_factors, plan_to_target
+    templates, and the better plan is kept (`better_at_target`). Both loops reuse each other's
+    simulations (and the caller's, given `simulations`)."""
+    sims = simulations if simulations is not None else Simulations(perf, root)
 
     def solve_as(how: Method) -> Callable[[dict[str, float]], Plan]:
         def solve(factors: dict[str, float]) -> Plan:
@@ -286,7 +289,9 @@ def plan_to_targets(
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
     with timing.phase("capacity model"):
         base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
-    plan = plan_to_target(fleet, perf, libs, solve_as(method), root, on_round, base=base)
+    plan = plan_to_target(
+        fleet, perf, libs, solve_as(method), root, on_round, base=base, simulations=sims
+    )
     if method != "coral" or fleet.attainment.rounds == 0:
         return plan
     # The closed loop is a search over whole instances, and its path depends on where it
@@ -299,7 +304,9 @@ def plan_to_targets(
             on_round(f"single-config search, {line}")
 
     try:
-        single = plan_to_target(fleet, perf, libs, solve_as("cauchy"), root, said, base=base)
+        single = plan_to_target(
+            fleet, perf, libs, solve_as("cauchy"), root, said, base=base, simulations=sims
+        )
     except CoralError as exc:  # the restricted search is a second opinion: Coral's plan stands
         said(f"failed: {exc}")
         return plan
@@ -353,9 +360,11 @@ def plan_with_library(
     relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
     `force`: build into a library folder another stack owns.
     """
+    from solver.plan.attainment import Simulations
     from solver.plan.length_routing import plan_routed
 
     loaded: dict[Job, Library] = {}
+    sims = Simulations(perf, root)  # a model planned alike in several plans is simulated once
 
     def plan_once(planned_fleet: FleetConfig) -> Plan:
         libs = libraries_for(
@@ -373,7 +382,7 @@ def plan_with_library(
         loaded.update(libs)
 
         return plan_to_targets(
-            stack, planned_fleet, perf, libs, previous, method, root, on_round, directory
+            stack, planned_fleet, perf, libs, previous, method, root, on_round, directory, sims
         )
 
     plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)
