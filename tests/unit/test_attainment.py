@@ -11,7 +11,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from solver.plan import attainment
+from solver.plan import attainment, planner
 from solver.plan.planner import plan_with_library
 from solver.plan.schema import Plan
 from solver.simulation.simulator import simulate
@@ -83,7 +83,7 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     doc["config"]["coral:fleet"]["attainment"] = {"rounds": 0}
     (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
     monkeypatch.setattr(
-        attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+        planner, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
     )
     monkeypatch.chdir(root)
     old = root / "plan.json"
@@ -109,7 +109,7 @@ def test_the_program_refuses_a_plan_below_target_unless_the_stack_accepts_it(
     tmp_path, monkeypatch, preview
 ):
     monkeypatch.setattr(
-        attainment, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+        planner, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
     )
     root = project(tmp_path)
     path = root / "stacks" / "Pulumi.s.yaml"
@@ -323,9 +323,12 @@ def test_coral_keeps_the_single_config_search_only_when_it_is_cheaper_at_the_sam
     short = [a.model_copy(update={"verified": a.target - 0.01}) for a in single.attainment]
     assert better_at_target(dearer, single.model_copy(update={"attainment": short})) is dearer
     less = {m: 0.5 for m in single.served_fractions}
-    assert better_at_target(
-        dearer, single.model_copy(update={"served_fractions": less, "served_fraction": 0.5})
-    ) is dearer
+    assert (
+        better_at_target(
+            dearer, single.model_copy(update={"served_fractions": less, "served_fraction": 0.5})
+        )
+        is dearer
+    )
     assert better_at_target(plan, single) is plan  # not cheaper: Coral's own
 
 
@@ -340,3 +343,34 @@ def test_a_plan_is_judged_by_the_lower_of_its_held_out_windows_and_the_whole_tra
     assert row.replay_gap == pytest.approx(0.062)
     generated = row.model_copy(update={"replayed": None})
     assert generated.judged == 0.915 and generated.short_by == 0
+
+
+def test_simulations_are_reused_only_for_the_same_workload_fraction_and_templates(
+    perf, dev_library, monkeypatch
+):
+    """One `coral plan` simulates a model once per (workload, served fraction, templates): the
+    second search and the verification reuse the rounds' results, and each result is the one a
+    fresh simulation gives."""
+    fleet = load_stack(REPO / "stacks", "dev")
+    plan = plan_with_library("dev", fleet, perf, dev_library, root=REPO)
+    calls: list[tuple[str, float]] = []
+    real = attainment.simulate
+
+    def counting(plan_, fleet_, perf_, traces, duration_s):
+        calls.extend((m, duration_s) for m in traces)
+        return real(plan_, fleet_, perf_, traces, duration_s)
+
+    monkeypatch.setattr(attainment, "simulate", counting)
+    sims = attainment.Simulations(perf, REPO)
+    first = sims.run(plan, fleet, "verify", 1_800)
+    assert sims.run(plan, fleet, "verify", 1_800)["phi-4"] is first["phi-4"]
+    assert len(calls) == 1  # the second run reused the first
+    sims.run(plan, fleet, "plan", 1_800)  # another workload
+    half = plan.model_copy(update={"served_fractions": {"phi-4": 0.5}, "served_fraction": 0.5})
+    sims.run(half, fleet, "verify", 1_800)  # half the demand
+    fewer = plan.model_copy(update={"instances": plan.instances[:-1]})
+    sims.run(fewer, fleet, "verify", 1_800)  # one instance less
+    assert len(calls) == 4
+    traces, window = attainment._traces(fleet, "verify", 1_800, plan, REPO)
+    fresh = real(plan, fleet, perf, traces, window)
+    assert np.array_equal(fresh.models["phi-4"].met, first["phi-4"].met)
