@@ -135,8 +135,12 @@ class IlpModel:
         assert self.phi is not None
         return {m: round(v.solution_value()) for m, v in self.phi.items()}
 
-    def solve(self, relative_gap: float | None = None) -> tuple[int, float]:
-        """Solve within the stack's time limit, to `relative_gap` (default: the stack's).
+    def solve(
+        self, relative_gap: float | None = None, node_limit: int | None = None
+    ) -> tuple[int, float]:
+        """Solve within the stack's time limit, to `relative_gap` (default: the stack's), and
+        with SCIP within `node_limit` branch-and-bound nodes: unlike time, a limit that ends a
+        solve at the same plan on any machine.
 
         Returns:
             The OR-Tools status and the seconds the solve took.
@@ -153,6 +157,8 @@ class IlpModel:
                 f"num_workers:{s.threads} interleave_search:true random_seed:0 "
                 f"relative_gap_limit:{gap}"
             )
+        if node_limit is not None and s.backend == "scip":
+            solver.SetSolverSpecificParametersAsString(f"limits/nodes = {node_limit}\n")
         start = time.perf_counter()
         status = solver.Solve(params)
         return status, time.perf_counter() - start

@@ -44,6 +44,10 @@ from solver.plan.schema import SolverReport
 __all__ = ["BACKEND_IDS", "FRACTION_STEPS", "new_solver", "solve_allocation"]
 
 _Model = IlpModel  # the name tests patch
+# Branch-and-bound nodes a most-served solve may take (SCIP): a limit of work, not of time, so
+# a solve that does not finish ends at the same plan on any machine. paper-extended's hardest
+# took 923 nodes (10 s) to prove; with its 60 s time limit alone, its plan changed run to run.
+MOST_SERVED_NODES = 2_000
 
 
 def _check(status: int, what: str, problem: Problem) -> None:
@@ -81,7 +85,8 @@ def _homogeneous_plan(
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
     model = IlpModel(sub, min_fraction=0.0 if fairness else 1.0, fairness=fairness)
     gap = None if fairness is None else whole_steps_gap(_scale(fairness))
-    status, seconds = model.solve(relative_gap=gap)
+    nodes = None if fairness is None else MOST_SERVED_NODES
+    status, seconds = model.solve(relative_gap=gap, node_limit=nodes)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, seconds
     return {idx[k]: round(v.solution_value()) for k, v in enumerate(model.nu)}, seconds
@@ -247,7 +252,8 @@ def _most_served(problem: Problem) -> tuple[dict[str, float], list[str], dict[in
                 homogeneous, sec = _homogeneous_plan(sub, fairness)
                 found, seconds = homogeneous or {}, seconds + sec
             model.hint_from(found)
-            status, sec = model.solve(relative_gap=whole_steps_gap(_scale(fairness)))
+            gap = whole_steps_gap(_scale(fairness))
+            status, sec = model.solve(relative_gap=gap, node_limit=MOST_SERVED_NODES)
             seconds += sec
             _check(status, "the most-served solve", problem)
             found = {i: round(v.solution_value()) for i, v in enumerate(model.nu)}
@@ -313,7 +319,9 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
     unbounded = IlpModel(
         free, min_fraction=0.0, fairness=Fairness(active=frozenset(served_models(free)))
     )
-    status, _ = unbounded.solve(relative_gap=whole_steps_gap(FRACTION_STEPS))
+    status, _ = unbounded.solve(
+        relative_gap=whole_steps_gap(FRACTION_STEPS), node_limit=MOST_SERVED_NODES
+    )
     _check(status, "the most-served solve without the budget", problem)
     return int(round(unbounded.least.solution_value()))
 

@@ -400,14 +400,14 @@ def test_the_most_served_solve_proves_whole_steps_and_the_cost_solve_takes_the_s
     from solver.allocation import solve
     from solver.allocation.constraints import FRACTION_STEPS
 
-    gaps = []
+    gaps, limits = [], []
     real = solve._Model.solve
 
-    def spy(self, relative_gap=None):
-        gaps.append(
-            ("phi" if self.phi is not None else "cost", len(self.problem.columns), relative_gap)
-        )
-        return real(self, relative_gap)
+    def spy(self, relative_gap=None, node_limit=None):
+        kind = "phi" if self.phi is not None else "cost"
+        gaps.append((kind, len(self.problem.columns), relative_gap))
+        limits.append((kind, node_limit))
+        return real(self, relative_gap, node_limit)
 
     monkeypatch.setattr(solve._Model, "solve", spy)
     f = with_rps(*scarce_rps(), availability=SHORT_AT_LOOSE_GAP, allocation={"relative_gap": 0.2})
@@ -421,6 +421,10 @@ def test_the_most_served_solve_proves_whole_steps_and_the_cost_solve_takes_the_s
     # gap (None: its 0.2); the joint one runs once the parts' plans do not fit together.
     costs = [(n, g) for kind, n, g in gaps if kind == "cost"]
     assert costs and all(g is None for _, g in costs)
+    # Most-served solves end at a number of nodes (the same plan on any machine), cost solves
+    # at the stack's time limit only.
+    assert {n for kind, n in limits if kind == "phi"} == {solve.MOST_SERVED_NODES}
+    assert {n for kind, n in limits if kind == "cost"} == {None}
 
 
 # ---------------------------------------------------------------- typed errors
@@ -454,7 +458,9 @@ def _every_solve_fails(monkeypatch):
     from solver.allocation import solve
 
     monkeypatch.setattr(
-        solve._Model, "solve", lambda self, relative_gap=None: (pywraplp.Solver.INFEASIBLE, 0.0)
+        solve._Model,
+        "solve",
+        lambda self, relative_gap=None, node_limit=None: (pywraplp.Solver.INFEASIBLE, 0.0),
     )
 
 
@@ -465,7 +471,7 @@ def _cost_solve_times_out(monkeypatch):
 
     real = solve._Model.solve
 
-    def solve_(self, relative_gap=None):
+    def solve_(self, relative_gap=None, node_limit=None):
         if self.phi is None and all(len(c.usage) == 1 for c in self.problem.columns):
             return real(self, relative_gap)  # the single-config start still solves
         return pywraplp.Solver.NOT_SOLVED, 30.0
