@@ -28,11 +28,13 @@ def committed() -> list[str]:
     return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("*.yaml"))
 
 
-def plan(stack: str, cwd: Path = REPO) -> tuple[dict, float]:
-    """`coral plan --stack S --json`: the plan and the command's wall seconds."""
+def plan(stack: str, cwd: Path = REPO, library: Path | None = None) -> tuple[dict, float]:
+    """`coral plan --stack S --json` (libraries in `library`, default the repository's
+    .coral/library/S): the plan and the command's wall seconds."""
+    library = library or REPO / ".coral" / "library" / stack
     t = time.perf_counter()
     r = subprocess.run(
-        [str(CORAL), "plan", "--stack", stack, "--json", "--library", str(REPO / ".coral" / "library" / stack)],
+        [str(CORAL), "plan", "--stack", stack, "--json", "--library", str(library)],
         cwd=cwd,
         capture_output=True,
         text=True,

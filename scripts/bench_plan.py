@@ -12,35 +12,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
-CORAL = REPO / ".venv" / "bin" / "coral"
+from bench_attainment import REPO, committed, plan
+
 PHASES = ("library", "capacity model", "ILP", "closed-loop simulation", "verification", "other")
-
-
-def committed() -> list[str]:
-    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("*.yaml"))
-
-
-def plan(stack: str, library: Path) -> tuple[dict, float]:
-    """One `coral plan --stack S --json`: its JSON and the process's wall seconds."""
-    start = time.perf_counter()
-    run = subprocess.run(
-        [str(CORAL), "plan", "--stack", stack, "--json", "--library", str(library)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        check=False,
-    )
-    wall = time.perf_counter() - start
-    if run.returncode not in (0, 3):
-        sys.exit(f"coral plan --stack {stack} failed ({run.returncode}):\n{run.stderr[-2000:]}")
-    return json.loads(run.stdout), wall
 
 
 def bench(stack: str, repeats: int, cold: bool) -> dict:
@@ -48,12 +26,12 @@ def bench(stack: str, repeats: int, cold: bool) -> dict:
     row: dict = {"stack": stack}
     if cold:
         with tempfile.TemporaryDirectory() as empty:
-            _, row["first_plan_s"] = plan(stack, Path(empty))
+            _, row["first_plan_s"] = plan(stack, library=Path(empty))
     if not any(library.glob("*.json")):
-        plan(stack, library)  # builds the library; not timed
+        plan(stack, library=library)  # builds the library; not timed
     runs = []
     for i in range(repeats):
-        result, wall = plan(stack, library)
+        result, wall = plan(stack, library=library)
         runs.append((wall, result["timings"]))
         print(f"  {stack} run {i + 1}/{repeats}: {wall:.1f} s", file=sys.stderr, flush=True)
     row["wall_s"] = round(statistics.median(w for w, _ in runs), 2)
