@@ -18,7 +18,7 @@ from pathlib import Path
 
 from bench_attainment import REPO, committed, plan
 
-PHASES = ("library", "capacity model", "ILP", "closed-loop simulation", "verification", "other")
+from solver.timing import PHASES
 
 
 def bench(stack: str, repeats: int, cold: bool) -> dict:

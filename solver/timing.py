@@ -1,9 +1,9 @@
 """Wall time per planning phase: where a `coral plan` spends its seconds.
 
 The planner marks its phases (`phase("ILP")`, ...); nothing is recorded unless a caller asks
-(`timed()`), so the marks cost nothing in tests and in the Pulumi program. Phases nest (the ILP
-runs inside a closed-loop round); each phase is charged its own time only, the time of the
-phases inside it going to them, so the phases add up to the run's wall time less `OTHER`.
+(`timed()`), so the marks cost nothing in tests and in the Pulumi program. Phases may nest;
+each is charged its own time only, the time of the phases inside it going to them, so the
+phases add up to the run's wall time less `OTHER`.
 
     with timed() as times:
         plan = plan_with_library(...)

@@ -21,6 +21,13 @@ HELIX_DIR = helix_data_dir()  # vendored: the repo reads nothing outside itself
 FIXTURES = Path(__file__).resolve().parent / "fixtures"
 
 
+def committed_stacks() -> list[str]:
+    """Every committed stack's name (stacks/Pulumi.<name>.yaml), sorted."""
+    return sorted(
+        p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("Pulumi.*.yaml")
+    )
+
+
 @pytest.fixture(scope="session")
 def perf() -> PerfModel:
     return load_perf_model()

@@ -84,9 +84,7 @@ def _homogeneous_plan(
     idx = [i for i, c in enumerate(problem.columns) if len(c.usage) == 1]
     sub = replace(problem, columns=[problem.columns[i] for i in idx])
     model = IlpModel(sub, min_fraction=0.0 if fairness else 1.0, fairness=fairness)
-    gap = None if fairness is None else whole_steps_gap(_scale(fairness))
-    nodes = None if fairness is None else MOST_SERVED_NODES
-    status, seconds = model.solve(relative_gap=gap, node_limit=nodes)
+    status, seconds = model.solve() if fairness is None else _solve_most_served(model)
     if status not in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return None, seconds
     return {idx[k]: round(v.solution_value()) for k, v in enumerate(model.nu)}, seconds
@@ -253,8 +251,7 @@ def _most_served(problem: Problem) -> tuple[dict[str, float], list[str], dict[in
                 homogeneous, sec = _homogeneous_plan(sub, fairness)
                 found, seconds = homogeneous or {}, seconds + sec
             model.hint_from(found)
-            gap = whole_steps_gap(_scale(fairness))
-            status, sec = model.solve(relative_gap=gap, node_limit=MOST_SERVED_NODES)
+            status, sec = _solve_most_served(model)
             seconds += sec
             _check(status, "the most-served solve", problem)
             found = {i: round(v.solution_value()) for i, v in enumerate(model.nu)}
@@ -295,9 +292,12 @@ def whole_steps_gap(scale: int) -> float:
     return 0.4 / scale
 
 
-def _scale(fairness: Fairness) -> int:
-    """The most steps a most-served objective counts: one fraction, or the active ones' sum."""
-    return FRACTION_STEPS * (len(fairness.active) if fairness.total else 1)
+def _solve_most_served(model: IlpModel) -> tuple[int, float]:
+    """A most-served model solved until its fractions are proven to the step, within
+    MOST_SERVED_NODES nodes: the status and the seconds it took."""
+    assert model.fairness is not None
+    steps = FRACTION_STEPS * (len(model.fairness.active) if model.fairness.total else 1)
+    return model.solve(relative_gap=whole_steps_gap(steps), node_limit=MOST_SERVED_NODES)
 
 
 def _short_models(steps: dict[str, int]) -> list[str]:
@@ -320,9 +320,7 @@ def _unbudgeted_steps(problem: Problem) -> int | None:
     unbounded = IlpModel(
         free, min_fraction=0.0, fairness=Fairness(active=frozenset(served_models(free)))
     )
-    status, _ = unbounded.solve(
-        relative_gap=whole_steps_gap(FRACTION_STEPS), node_limit=MOST_SERVED_NODES
-    )
+    status, _ = _solve_most_served(unbounded)
     _check(status, "the most-served solve without the budget", problem)
     return int(round(unbounded.least.solution_value()))
 

@@ -360,7 +360,6 @@ def plan_with_library(
     relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
     `force`: build into a library folder another stack owns.
     """
-    from solver.plan.attainment import Simulations
     from solver.plan.length_routing import plan_routed
 
     loaded: dict[Job, Library] = {}

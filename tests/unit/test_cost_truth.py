@@ -26,7 +26,7 @@ from coral_iac.gateway_cost import (
 from solver.errors import InputError
 from solver.plan.schema import Plan
 from solver.stack import parse_fleet
-from tests.conftest import REPO
+from tests.conftest import REPO, committed_stacks
 
 STACKS = REPO / "stacks"
 DEV = yaml.safe_load((STACKS / "Pulumi.dev.yaml").read_text())
@@ -71,10 +71,6 @@ def priced_file(tmp_path: Path, doc: dict = PRICED) -> Path:
     path = tmp_path / "gateway_prices.yaml"
     path.write_text(yaml.safe_dump(doc))
     return path
-
-
-def committed_stacks() -> list[str]:
-    return sorted(p.name[len("Pulumi.") : -len(".yaml")] for p in STACKS.glob("Pulumi.*.yaml"))
 
 
 def test_committed_prices_carry_sources_and_invent_nothing():

@@ -19,6 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
+from tests.conftest import committed_stacks
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "plans"
@@ -71,10 +72,7 @@ def check_stack(stack: str, library: Path, monkeypatch: pytest.MonkeyPatch) -> N
 
 
 def test_every_committed_stack_has_a_golden_plan() -> None:
-    committed = sorted(
-        p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("*.yaml")
-    )
-    assert sorted(QUICK + LARGE) == committed
+    assert sorted(QUICK + LARGE) == committed_stacks()
 
 
 @pytest.mark.parametrize("stack", QUICK)

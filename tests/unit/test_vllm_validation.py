@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
 from solver.catalog.model_cards import load_model_cards
-from tests.conftest import REPO
+from tests.conftest import REPO, committed_stacks
 from tests.vllm_nodes import Proc, processes, run_vllm_checks, write_models
 
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
@@ -212,9 +212,7 @@ def test_own_rules_catch_what_vllm_accepts(models):
     assert not _own_rules(procs, results)
 
 
-STACKS = sorted(
-    p.name[len("Pulumi.") : -len(".yaml")] for p in (REPO / "stacks").glob("Pulumi.*.yaml")
-)
+STACKS = committed_stacks()
 # Benchmark stacks: heavy plans (minutes per command), run by scripts/test_slow. paper-helix is
 # refused by design (general placements): test_deploy_cli asserts its message.
 PAPER = [s for s in STACKS if s not in DEPLOYABLE and s != "paper-helix"]
