@@ -18,7 +18,6 @@ import pulumi_gcp as gcp
 
 from coral_iac.bootstrap import NodeBoot, Ports, RouterSpec, render_user_data
 from coral_iac.infra import Identity, Region, slug
-from coral_iac.model_files import root_disk_gb
 from solver.catalog.offers import Offer
 
 
@@ -36,8 +35,7 @@ class ServingInstanceArgs:
     region: Region
     identity: Identity
     group: pulumi.Input[str]  # AWS security group id, or GCP network tag
-    weights_gb: float  # the card's weights (the disk's estimate where no file size is sourced)
-    disk_headroom_gb: int
+    disk_gb: int  # each node's root disk: model files, venv, headroom (`card_disk_gb`)
     router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
     subnet_id: pulumi.Input[str] | None = None  # AWS: the zone's subnet (`Infra.aws_node_subnet`)
     gcp_zones: list[str] | None = None  # GCP: each node's zone, as offers (`gcp_node_zones`)
@@ -54,10 +52,7 @@ class ServingInstance(pulumi.ComponentResource):
     ) -> None:
         super().__init__("coral:fleet:ServingInstance", name, None, opts)
         child = pulumi.ResourceOptions(parent=self, provider=args.region.provider)
-        # The files `hf download` fetches (coral_iac/data/model_files.yaml), the venv, headroom.
-        disk_gb = root_disk_gb(
-            args.boots[0].model, args.boots[0].hf_repo, args.weights_gb * 1e9, args.disk_headroom_gb
-        )
+        disk_gb = args.disk_gb
         order = sorted(range(len(args.boots)), key=lambda k: not args.boots[k].is_head)
         head_ip: pulumi.Output[str] | None = None
         for k in order:  # head first: the others need its private IP

@@ -19,8 +19,8 @@ from typing import Any
 import httpx
 
 from coral_iac.project import confined, project_root
-from solver.catalog.model_cards import load_model_cards
 from solver.catalog.offers import load_catalog
+from solver.catalog.user_models import stack_cards
 from solver.errors import InputError
 from solver.operations.demand_rules import (
     GENERATION_METRIC,
@@ -206,7 +206,7 @@ def resolve_demand(
     Raises:
         InputError: as `demand_report` and `check_fleet`.
     """
-    check_fleet(fleet, load_catalog(), load_model_cards())  # fail early, with key paths
+    check_fleet(fleet, load_catalog(), stack_cards(fleet.model_cards))  # fail early, with paths
     report = demand_report(fleet, stack, stacks_dir)
     for line in report.warnings:
         (warn or log.warning)(line)

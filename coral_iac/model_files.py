@@ -18,6 +18,8 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_validator
 
+from solver.catalog.model_cards import ModelCard
+from solver.catalog.user_models import UserModelCard
 from solver.errors import InputError
 from solver.io import parse_model, read_yaml
 from solver.types import FROZEN
@@ -105,4 +107,19 @@ def root_disk_gb(
     (the image, logs and slack)."""
     files = files or load_model_files()
     size = download_bytes(model, hf_repo, weight_bytes, files)
+    return math.ceil(size / 1e9) + files.runtime_gb + headroom_gb
+
+
+def card_disk_gb(
+    model: str, card: ModelCard, headroom_gb: int, files: ModelFilesFile | None = None
+) -> int:
+    """`root_disk_gb` for any card: a stack's own card sizes its files from the
+    `safetensors_bytes` it declares (or its weights x 1.1), a built-in one from this data file."""
+    files = files or load_model_files()
+    if not isinstance(card, UserModelCard):
+        return root_disk_gb(model, card.hf_repo, card.weight_bytes, headroom_gb, files)
+    if card.safetensors_bytes is None:
+        size = math.ceil(card.weight_bytes * ESTIMATE_FACTOR)
+    else:
+        size = card.safetensors_bytes + files.non_weight_allowance_bytes
     return math.ceil(size / 1e9) + files.runtime_gb + headroom_gb

@@ -51,6 +51,7 @@ from coral_iac.gateway import (
 )
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
 from coral_iac.infra import Infra, gcp_node_zones, slug
+from coral_iac.model_files import card_disk_gb
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
@@ -89,10 +90,11 @@ class ProgramOptions:
         return self.library or self.library_root / stack
 
 
-def read_stack_config() -> tuple[FleetConfig, DeploySettings]:
-    """`coral:fleet` from the stack config: the solver's part and the program's `deploy` part."""
+def read_stack_config(stacks_dir: Path = STACKS_FOLDER) -> tuple[FleetConfig, DeploySettings]:
+    """`coral:fleet` from the stack config: the solver's part and the program's `deploy` part
+    (a model card's `config` path starts at `stacks_dir`, as for the CLI)."""
     config = {FLEET_KEY: pulumi.Config("coral").require_object("fleet")}
-    return parse_fleet(config, "stack config"), parse_deploy(config, "stack config")
+    return parse_fleet(config, "stack config", stacks_dir), parse_deploy(config, "stack config")
 
 
 def previous_outputs(stack: str) -> tuple[Plan | None, FleetState | None, dict[str, str]]:
@@ -271,8 +273,9 @@ def declare(
                 region=region,
                 identity=infra.identity,
                 group=group,
-                weights_gb=card.weight_bytes / 1e9,
-                disk_headroom_gb=deploy.disk_headroom_gb,
+                # The files `hf download` fetches (coral_iac/data/model_files.yaml), the venv
+                # and the stack's headroom.
+                disk_gb=card_disk_gb(inst.model, card, deploy.disk_headroom_gb),
                 router_prefill_ips=router_ips,
                 subnet_id=subnet,
                 gcp_zones=zones,
@@ -446,10 +449,10 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
     options = options or ProgramOptions()
     stack = pulumi.get_stack()
     try:
-        fleet, deploy = read_stack_config()
+        fleet, deploy = read_stack_config(options.stacks_dir)
         fleet = resolve_demand(fleet, stack, options.stacks_dir, warn=pulumi.log.warn)
         previous, previous_state, images = previous_outputs(stack)
-        perf = load_perf_model()
+        perf = load_perf_model(cards=fleet.model_cards)
         # The plan knows nothing of the gateway: the allocation gets the budget less its $/hour.
         gateway_usd = gateway_cost(fleet, deploy)
         allocated = fleet_for_allocation(fleet, gateway_usd)

@@ -18,6 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, Field, model_validator
 
 from solver.catalog.paper_market import MarketSettings
+from solver.catalog.user_models import UserModelCard, resolve_entry
 from solver.errors import InputError
 from solver.io import parse_model, read_yaml
 from solver.types import BUCKET_SEP, FROZEN, LibPhase, Mode
@@ -388,6 +389,10 @@ class FleetConfig(BaseModel):
     model_config = FROZEN
     description: str = ""
     models: dict[str, ModelSpec] = Field(min_length=1)
+    model_cards: dict[str, UserModelCard] = Field(
+        default_factory=dict,
+        description="Your own models' cards, from their config.json (docs/models.md).",
+    )
     regions: list[Region] = Field(min_length=1)
     node_configs: list[str] = Field(min_length=1, description="Node configs the fleet may rent.")
     library: LibrarySettings = Field(default_factory=LibrarySettings)
@@ -474,9 +479,20 @@ def fleet_object(config: dict[str, Any], source: str) -> dict[str, Any]:
     return obj
 
 
-def parse_fleet(config: dict[str, Any], source: str) -> FleetConfig:
-    """The solver's part of `coral:fleet`: everything but its `deploy` section."""
+def parse_fleet(config: dict[str, Any], source: str, stacks_dir: Path | None = None) -> FleetConfig:
+    """The solver's part of `coral:fleet`: everything but its `deploy` section.
+
+    Args:
+        config: the stack file's `config` mapping.
+        source: the stack file, for error messages.
+        stacks_dir: where `model_cards.<id>.config` paths start (default: the working folder).
+    """
     obj = {k: v for k, v in fleet_object(config, source).items() if k != DEPLOY_KEY}
+    if isinstance(obj.get("model_cards"), dict):
+        obj["model_cards"] = {
+            name: resolve_entry(entry, f"{source}: {FLEET_KEY}.model_cards.{name}", stacks_dir)
+            for name, entry in obj["model_cards"].items()
+        }
     for name, spec in (
         (obj.get("models") or {}).items() if isinstance(obj.get("models"), dict) else ()
     ):
@@ -510,4 +526,4 @@ def load_stack(stacks_dir: Path, stack: str) -> FleetConfig:
 
         raise unknown_value("--stack", stack, known, "stack")
     doc = read_yaml(path) or {}
-    return parse_fleet(doc.get("config") or {}, str(path))
+    return parse_fleet(doc.get("config") or {}, str(path), stacks_dir)

@@ -13,7 +13,14 @@ from typing import Annotated
 import typer
 import yaml
 
-from coral_iac.cli.console import err, out, print_json, reports_errors, wrapping_table
+from coral_iac.cli.console import (
+    err,
+    load_stack_named,
+    out,
+    print_json,
+    reports_errors,
+    wrapping_table,
+)
 
 catalog_app = typer.Typer(help="GPU types, node configs and cloud offers.", no_args_is_help=True)
 
@@ -62,12 +69,23 @@ def catalog_show(
 @catalog_app.command("models")
 @reports_errors
 def catalog_models(
+    stack: Annotated[
+        str | None,
+        typer.Option(help="Also list this stack's own models (coral:fleet.model_cards)."),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
-    """Every model id a stack may serve: layers, parameters, context and where it comes from."""
-    from solver.catalog.model_cards import load_model_cards
+    """Every model id a stack may serve: layers, parameters, context and where it comes from.
 
-    cards = load_model_cards()
+    Built-in models come with Coral; a stack adds its own from their config.json
+    (docs/models.md), listed with `--stack`.
+    """
+    from solver.catalog.model_cards import load_model_cards
+    from solver.catalog.user_models import stack_cards
+
+    own = load_stack_named(stack).model_cards if stack else {}
+    cards = stack_cards(own)
+    builtin = load_model_cards()
     rows = [
         {
             "id": model,
@@ -77,6 +95,7 @@ def catalog_models(
             "moe": card.is_moe,
             "context": card.max_context,
             "source": card.hf_repo,
+            "card": "built-in" if model in builtin else f"stack {stack}",
         }
         for model, card in sorted(cards.items())
     ]
@@ -91,11 +110,12 @@ def catalog_models(
             + (" MoE" if r["moe"] else ""),
             f"{r['context']:,}",
             str(r["source"]),
+            str(r["card"]),
         ]
         for r in rows
     ]
     columns = [("id", "left"), ("layers", "right"), ("parameters", "right")]
-    columns += [("context", "right"), ("source", "left")]
+    columns += [("context", "right"), ("source", "left"), ("card", "left")]
     title = f"{len(rows)} models (ids for coral:fleet.models; source: Hugging Face)"
     table = wrapping_table(title, columns, cells)
     out.print(table)

@@ -179,7 +179,7 @@ def make_plan(
     if add_only:
         allocation = fleet.allocation.model_copy(update={"add_only": True})
         fleet = fleet.model_copy(update={"allocation": allocation})
-    perf = load_perf_model()
+    perf = load_perf_model(cards=fleet.model_cards)
     running = load_plan(previous) if previous is not None else None
     check_plan_stack(running, stack, previous)
     with progress_bar() as bar:

@@ -59,7 +59,7 @@ def simulate_cmd(
     fleet = resolve_demand(load_stack_named(stack), stack, stacks_dir(), warn=warn)
     plan = load_plan(plan_file)
     fleet = fleet_for_plan(fleet, plan)  # a routed model's length buckets
-    perf = load_perf_model()
+    perf = load_perf_model(cards=fleet.model_cards)
     if capacity:
         _capacity(plan, fleet, perf, duration, as_json)
         return
@@ -170,7 +170,7 @@ def epochs_cmd(
     if not factors or any(f < 0 for f in factors):
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
     fleet = load_stack_named(stack).with_target_utilization(target_utilization)
-    perf = load_perf_model()
+    perf = load_perf_model(cards=fleet.model_cards)
     libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or library_root() / stack)
     results = run_epochs(
         stack,

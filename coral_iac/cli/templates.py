@@ -80,7 +80,7 @@ def templates_build(
         from solver.errors import InputError
 
         raise InputError("--executor", f"unknown executor '{executor}'", "use process or ray")
-    pm = load_perf_model(measured)
+    pm = load_perf_model(measured, cards=fleet.model_cards)
     _, unsold = available_node_configs(fleet, pm.catalog)
     if unsold:
         err.print(

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
-from solver.catalog.model_cards import load_model_cards
+from solver.catalog.model_cards import ModelCard, ModelId
 from solver.catalog.offers import Catalog, load_catalog
+from solver.catalog.user_models import stack_cards
 from solver.performance.analytical import PerfSettings
 from solver.performance.calibration import load_calibration
 from solver.performance.measured_tables import MeasuredTables, load_measured_dir
@@ -20,6 +22,7 @@ def load_perf_model(
     catalog: Catalog | None = None,
     settings: PerfSettings | None = None,
     runtime: str = DEFAULT_RUNTIME,
+    cards: Mapping[ModelId, ModelCard] | None = None,
 ) -> PerfModel:
     """The shipped catalog, model cards and calibration; measured tables win where present.
 
@@ -30,12 +33,14 @@ def load_perf_model(
         settings: model settings (default: `PerfSettings()`).
         runtime: the serving runtime whose fixed costs apply: `vllm` (default; every plan,
             template and simulation) or `helix` (Helix's files; A100-40GB, L4 and T4 only).
+        cards: a stack's own model cards (`FleetConfig.model_cards`), beside the shipped ones.
 
     Returns:
         The performance model.
 
     Raises:
-        InputError: an unknown runtime, or a catalog GPU without factors or a derivation.
+        InputError: an unknown runtime, a catalog GPU without factors or a derivation, or a
+            stack card that reuses a built-in id.
     """
     if measured_dir is None and os.environ.get(MEASURED_DIR_ENV):
         measured_dir = Path(os.environ[MEASURED_DIR_ENV])
@@ -44,7 +49,7 @@ def load_perf_model(
     calibration.runtime(runtime)  # an unknown name fails here, not at the first layer time
     return PerfModel(
         catalog=catalog,
-        cards=load_model_cards(),
+        cards=stack_cards(cards or {}),
         calibration=calibration,
         settings=settings or PerfSettings(),
         measured=load_measured_dir(measured_dir) if measured_dir else MeasuredTables(),
