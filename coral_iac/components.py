@@ -39,6 +39,7 @@ class ServingInstanceArgs:
     router_prefill_ips: list[pulumi.Output[str]] | None = None  # decode: its router's prefills
     subnet_id: pulumi.Input[str] | None = None  # AWS: the zone's subnet (`Infra.aws_node_subnet`)
     gcp_zones: list[str] | None = None  # GCP: each node's zone, as offers (`gcp_node_zones`)
+    image: str | None = None  # the boot image this replica keeps (None: its region's)
 
 
 class ServingInstance(pulumi.ComponentResource):
@@ -120,7 +121,7 @@ def _aws_node(
     """One EC2 node: IMDSv2 only, an encrypted gp3 root volume sized for the weights."""
     return aws.ec2.Instance(
         name,
-        ami=args.region.image,
+        ami=args.image or args.region.image,
         instance_type=offer.instance_type,
         subnet_id=args.subnet_id or args.region.subnet_id,
         vpc_security_group_ids=[args.group],
@@ -167,7 +168,7 @@ def _gcp_node(
         zone=zone,
         boot_disk=gcp.compute.InstanceBootDiskArgs(
             initialize_params=gcp.compute.InstanceBootDiskInitializeParamsArgs(
-                image=args.region.image, size=disk_gb, type="pd-balanced"
+                image=args.image or args.region.image, size=disk_gb, type="pd-balanced"
             )
         ),
         network_interfaces=[

@@ -96,7 +96,16 @@ class DeploySettings(BaseModel):
         default=False,
         description="Read aws_ami_parameter again for every AWS region (the newest image). Off, "
         "each region keeps the image the stack first resolved, so a new DLAMI release never "
-        "replaces running nodes; on, every AWS node whose image changed is replaced at once.",
+        "replaces running nodes; on, replicas move to a newer image a share at a time "
+        "(image_rollout_share), each old one serving until its successor is ready.",
+    )
+    image_rollout_share: float = Field(
+        default=0.25,
+        gt=0,
+        le=1,
+        description="When a region's boot image changes (refresh_images, or a new gcp_image), "
+        "the most of a model's prefill, decode or aggregated replicas replaced at a time (at "
+        "least one); the next ones start once those successors serve.",
     )
     gcp_image: str = Field(
         default="projects/deeplearning-platform-release/global/images/family/"

@@ -109,7 +109,7 @@ class Infra:
         self.stack, self.deploy = stack, deploy
         self.order = list(order or [])
         self.recorded_images = dict(images or {})
-        self.images: dict[str, pulumi.Input[str]] = {}  # `aws_image` key -> the AMI in use
+        self.images: dict[str, str] = {}  # `aws_image` key -> the AMI new nodes boot with
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
         self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
@@ -128,20 +128,20 @@ class Infra:
 
     # ---------------------------------------------------------------- AWS
 
-    def aws_image(
-        self, key: str, parameter: str, provider: pulumi.ProviderResource
-    ) -> pulumi.Input[str]:
+    def aws_image(self, key: str, parameter: str, provider: pulumi.ProviderResource) -> str:
         """The AMI of the nodes recorded under `key` (an AWS region for GPU nodes,
         "gateway:<region>" for the gateway): the one recorded at the stack's first deploy, or
-        (first deploy, or `deploy.refresh_images`) the SSM `parameter`'s current value. A new
-        image release then never changes `ami`, which would replace those nodes at once."""
+        (first deploy, or `deploy.refresh_images`) the SSM `parameter`'s current value, read
+        when the run starts. A new image release then never changes a running node's `ami`,
+        which would replace it at once: GPU replicas move to a new one through the
+        reconfiguration states (`rollout_images`)."""
         if key not in self.images:
             recorded = self.recorded_images.get(key)
             if recorded and not self.deploy.refresh_images:
                 self.images[key] = recorded
             else:
-                self.images[key] = aws.ssm.get_parameter_output(
-                    name=parameter, opts=pulumi.InvokeOutputOptions(provider=provider)
+                self.images[key] = aws.ssm.get_parameter(
+                    name=parameter, opts=pulumi.InvokeOptions(provider=provider)
                 ).value
         return self.images[key]
 

@@ -55,7 +55,13 @@ from coral_iac.model_files import card_disk_gb
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
-from solver.operations.reconfiguration import FRONTED, FleetState, router_peers, transition
+from solver.operations.reconfiguration import (
+    FRONTED,
+    FleetState,
+    rollout_images,
+    router_peers,
+    transition,
+)
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.length_routing import fleet_for_plan
@@ -173,6 +179,7 @@ def declare(
     peers: Mapping[str, list[str]] | None = None,
     images: Mapping[str, str] | None = None,
     infra: Infra | None = None,
+    node_images: Mapping[str, str | None] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """Every serving instance of the plan and the gateway; returns the endpoints per model and
     the gateway's outputs (none when `deploy.gateway.enabled` is false).
@@ -182,7 +189,9 @@ def declare(
     prefill instance keys) sets whom each decode router sends prompts to; by default every
     prefill instance of its model in its region. `images`: the AMIs the stack last deployed
     with (`Infra.aws_image`); the outputs get the ones in use as `images`. `infra`: the run's
-    shared resources when the caller already made some (a provider), else new ones."""
+    shared resources when the caller already made some (a provider), else new ones.
+    `node_images`: instance key -> the boot image its nodes keep (`FleetState` members; None
+    or absent: its region's)."""
     if infra is None:
         infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
     upstreams: dict[str, pulumi.Output[str]] = {}
@@ -279,6 +288,7 @@ def declare(
                 router_prefill_ips=router_ips,
                 subnet_id=subnet,
                 gcp_zones=zones,
+                image=(node_images or {}).get(inst.key),
             ),
         )
         if inst.phase == "prefill":
@@ -328,6 +338,22 @@ def _gateway_states(plan: Plan, states: Mapping[str, str]) -> dict[str, str]:
     return {
         k: "draining" if v == "draining" else "ready" for k, v in states.items() if k in fronted
     }
+
+
+def target_images(fleet: FleetConfig, deploy: DeploySettings, infra: Infra) -> dict[str, str]:
+    """Region ("aws:us-east-2") -> the image new replicas boot with: an AWS region's recorded
+    AMI (or, on a first deploy or with `deploy.refresh_images`, the SSM parameter's current
+    value); a GCP region's `deploy.gcp_image`."""
+    out: dict[str, str] = {}
+    for r in fleet.regions:
+        if r.cloud == "aws":
+            provider = infra.aws_provider(r.region)
+            out[f"aws:{r.region}"] = infra.aws_image(
+                r.region, deploy.aws_ami_parameter, provider
+            )
+        else:
+            out[f"gcp:{r.region}"] = deploy.gcp_image
+    return out
 
 
 def _replicas_up(
@@ -466,13 +492,23 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
     infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
     now = options.clock()
+    # New images roll out replica by replica through the states (reconfiguration module doc).
+    target = target_images(fleet, deploy, infra)
+    # What a replica declared before images were kept per replica runs: AWS, the stack's
+    # recorded AMI; GCP (never recorded), the image the stack names now.
+    recorded = {k: v for k, v in target.items() if k.startswith("gcp:")}
+    recorded |= {f"aws:{k}": v for k, v in images.items() if ":" not in k}
+    rolling, boot_images = rollout_images(
+        plan, previous_state, target, recorded, deploy.image_rollout_share
+    )
     state = transition(
         previous_state,
-        plan,
+        rolling,
         now,
         fleet.allocation.boot_minutes * 60,  # the boot time K is derived from
         deploy.drain_minutes * 60,
         up=_replicas_up(previous_state, fleet, deploy, stack, infra, now),
+        images=boot_images,
     )
     state = _without_removed_models(state, fleet)
     pulumi.log.info(cost_diff_table(previous, plan, state, gateway_usd))
@@ -497,6 +533,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         peers,
         images,
         infra,
+        {key: m.image for key, m in state.members.items()},
     )
     by_region: dict[str, dict[str, int]] = {}
     for i in plan.instances:

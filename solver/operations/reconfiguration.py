@@ -37,13 +37,21 @@ weights) keeps the old capacity serving instead of draining it early. Without a 
 gateway, nothing published yet) and for prefill members, which the gateway does not front,
 readiness falls back to time: `boot_s` after the member was first declared.
 
+A new boot image (an AWS region's AMI, a GCP image) rolls out through the same states
+(`rollout_images`): a replica on an older image gets a successor on the new one, under another
+member id, and leaves like any instance that leaves the plan, once the successor serves. At most
+a share of each (model, phase)'s replicas (`deploy.image_rollout_share`) is replaced at a time;
+the next ones start when those successors are ready. A decode replica whose prefill peers were
+replaced gets a new router, as for any change of its peers.
+
 The state is pure data (`FleetState`): the Pulumi program exports it and reads it back on the
 next run, like the plan.
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection
+import math
+from collections.abc import Collection, Mapping
 from datetime import datetime
 from typing import Literal
 
@@ -72,6 +80,11 @@ class Member(BaseModel):
     since: datetime = Field(description="When it entered its current state (UTC).")
     peers: list[str] = Field(
         default_factory=list, description="Decode: prefill instance keys its router uses."
+    )
+    image: str | None = Field(
+        default=None,
+        description="The boot image its nodes were declared with (None: its region's recorded "
+        "image, for members declared before images were kept per member).",
     )
 
 
@@ -127,6 +140,94 @@ def member_id(key: str, peers: list[str]) -> str:
     return f"{key}~{digest(peers)[:8]}" if peers else key
 
 
+IMAGE_SEP = "^"  # "<plan key>^<image digest>": a replica's successor on a new boot image
+
+
+def plan_key(member: str) -> str:
+    """The plan instance key a member id stands for (its peers and image suffixes removed)."""
+    return member.split("~", 1)[0].split(IMAGE_SEP, 1)[0]
+
+
+def image_key(key: str, image: str) -> str:
+    """The instance key of `key`'s successor on boot image `image`."""
+    return f"{plan_key(key)}{IMAGE_SEP}{digest(image)[:8]}"
+
+
+def region_of(inst: Instance) -> str:
+    return f"{inst.cloud}:{inst.region}"
+
+
+def rollout_images(
+    plan: Plan,
+    previous: FleetState | None,
+    target: Mapping[str, str],
+    recorded: Mapping[str, str],
+    share: float,
+) -> tuple[Plan, dict[str, str]]:
+    """The plan with each instance keyed by the replica that serves it this run, and the boot
+    image of each (see the module doc).
+
+    Args:
+        plan: the plan this run deploys.
+        previous: the previous run's state (None on a first deploy).
+        target: region ("aws:us-east-2") -> the image new replicas boot with.
+        recorded: region -> the image the previous run recorded (what a member without an
+            image of its own runs).
+        share: the most of a (model, phase)'s instances replaced at a time (at least one).
+
+    Returns:
+        The plan for `transition` (keys of successors end in ^<image digest>) and instance
+        key -> image for every instance of it (regions without a target are left out).
+    """
+    members = previous.members if previous is not None else {}
+
+    def image(m: Member) -> str | None:
+        return m.image or recorded.get(region_of(m.instance))
+
+    by_key: dict[str, list[Member]] = {}
+    for mid, m in sorted(members.items()):
+        by_key.setdefault(plan_key(mid), []).append(m)
+    jobs: dict[Job, list[Instance]] = {}
+    for inst in plan.instances:
+        jobs.setdefault((inst.model, inst.phase), []).append(inst)
+    keys: dict[str, str] = {}
+    images: dict[str, str] = {}
+    for _, instances in sorted(jobs.items()):
+        # Replacements under way (an old replica and its successor both declared) count
+        # against the share; the next ones start once those are done.
+        budget = max(1, math.floor(share * len(instances)))
+        for inst in instances:
+            want = target.get(region_of(inst))
+            states = {(image(m), m.state) for m in by_key.get(inst.key, [])}
+            if (
+                want is not None
+                and any(i == want for i, _ in states)
+                and any(i != want and st != "draining" for i, st in states)
+            ):
+                budget -= 1
+        for inst in sorted(instances, key=lambda i: i.key):
+            want = target.get(region_of(inst))
+            own = by_key.get(inst.key, [])
+            if want is None:
+                keys[inst.key] = inst.key
+                continue
+            on_target = [m for m in own if image(m) == want]
+            serving_old = [m for m in own if image(m) != want and m.state != "draining"]
+            if on_target:
+                key, img = on_target[0].instance.key.split("~", 1)[0], want
+            elif serving_old and budget <= 0:
+                old = serving_old[0]
+                key, img = old.instance.key.split("~", 1)[0], image(old) or want
+            elif own:  # a successor (an old replica serves, or one drains under the plain key)
+                key, img = image_key(inst.key, want), want
+                budget -= 1 if serving_old else 0
+            else:
+                key, img = inst.key, want
+            keys[inst.key], images[key] = key, img
+    instances = [i.model_copy(update={"key": keys[i.key]}) for i in plan.instances]
+    return plan.model_copy(update={"instances": instances}), images
+
+
 def transition(
     previous: FleetState | None,
     plan: Plan,
@@ -134,11 +235,14 @@ def transition(
     boot_s: float,
     drain_s: float = 0,
     up: Collection[str] | None = None,
+    images: Mapping[str, str] | None = None,
 ) -> FleetState:
     """The members a run declares for `plan`, given the previous run's state (see module doc).
 
     `up`: the member ids whose heads pass the gateway's health check, when the gateway has
-    published a report; None without one (readiness then falls back to `boot_s`)."""
+    published a report; None without one (readiness then falls back to `boot_s`). `images`:
+    instance key -> its boot image (`rollout_images`), recorded on its member."""
+    images = images or {}
     before = previous.members if previous is not None else {}
 
     def booted(m: Member) -> bool:
@@ -162,6 +266,7 @@ def transition(
             declared_at=declared,
             since=old.since if old is not None and old.state == state else now,
             peers=peers,
+            image=images.get(inst.key, old.image if old is not None else None),
         )
     ready = FleetState(members=members).capacity(frozenset({"ready"}))
     demand = served_demand(plan)

@@ -16,6 +16,8 @@ from hypothesis import strategies as st
 from solver.operations.reconfiguration import (
     FleetState,
     member_id,
+    plan_key,
+    rollout_images,
     router_peers,
     served_demand,
     transition,
@@ -205,3 +207,86 @@ def test_a_leaving_prefill_instance_serves_while_an_old_router_still_uses_it():
     assert state2.members[extra.key].state == "retiring"
     state3 = transition(state2, first, START + timedelta(hours=3), BOOT.total_seconds())
     assert state3.members[extra.key].state == "draining"  # no serving router uses it now
+
+
+def run_with_images(steps: list[tuple[dict[str, float], str, timedelta]], share: float):
+    """`run`, each step with a boot image for every region, rolled out by `rollout_images`;
+    the images the previous step's replicas run count as recorded."""
+    now, plan, state = START, None, None
+    out = []
+    for scales, image, gap in steps:
+        now += gap
+        plan = plan_for(scales, plan)
+        regions = sorted({f"{i.cloud}:{i.region}" for i in plan.instances})
+        target = dict.fromkeys(regions, image)
+        rolling, images = rollout_images(plan, state, target, {}, share)
+        state = transition(state, rolling, now, BOOT.total_seconds(), images=images)
+        out.append((plan, image, state))
+    return out
+
+
+def upgrading(state: FleetState, image: str) -> dict[tuple[str, str], int]:
+    """(model, phase) -> replicas being replaced: a successor on `image` declared beside an
+    older replica of the same instance."""
+    by_key: dict[str, set[str | None]] = {}
+    for key, m in state.members.items():
+        by_key.setdefault(plan_key(key), set()).add(m.image)
+    out: dict[tuple[str, str], int] = {}
+    for key, m in state.members.items():
+        if m.image == image and m.state == "starting" and by_key[plan_key(key)] - {image}:
+            job = (m.instance.model, m.instance.phase)
+            out[job] = out.get(job, 0) + 1
+    return out
+
+
+@settings(max_examples=10, deadline=None, derandomize=True)
+@given(
+    st.lists(st.tuples(scale, scale, st.sampled_from(["ami-a", "ami-b", "ami-c"]), gap),
+             min_size=2, max_size=4),
+    st.sampled_from([0.25, 0.5, 1.0]),
+)  # fmt: skip
+def test_images_roll_out_without_dropping_capacity(steps, share):
+    """Whatever the demands and images: serving capacity never falls below the smaller of
+    demand and what served before; at most `share` of a (model, phase)'s replicas (at least
+    one) are being replaced at once; and after some runs on one image, every replica runs it
+    and nothing else is declared."""
+    last = steps[-1][2]
+    settle = [({"phi-4": 1.0, "gpt-oss-20b": 1.0}, last, timedelta(minutes=30))] * 8
+    history = run_with_images([({"phi-4": a, "gpt-oss-20b": b}, im, g) for a, b, im, g in steps]
+                              + settle, share)  # fmt: skip
+    before: dict[tuple[str, str], float] = {}
+    for plan, image, state in history:
+        serving = state.capacity()
+        for job, demand in served_demand(plan).items():
+            assert serving.get(job, 0.0) >= min(demand, before.get(job, 0.0)) - 1e-9
+        for job, n in upgrading(state, image).items():
+            replicas = sum((i.model, i.phase) == job for i in plan.instances)
+            assert n <= max(1, int(share * replicas)), (job, n, replicas)
+        before = serving
+    plan, _, state = history[-1]
+    assert {m.image for m in state.members.values()} == {last}
+    assert set(state.by_state()["ready"]) == set(state.members)
+    assert len(state.members) == len(plan.instances)
+
+
+def test_a_new_image_replaces_a_quarter_of_the_replicas_at_a_time():
+    """Four phi-4 prefill replicas on ami-a, then ami-b with share 0.25: one successor boots
+    per run while the other three and the one it replaces keep serving; four waves later all
+    four run ami-b."""
+    four = scale_for("phi-4", "prefill", "l40sx1", 3.9)
+    half = timedelta(minutes=30)
+    steps = [({"phi-4": four, "gpt-oss-20b": 1.0}, "ami-a", half)] * 2
+    steps += [({"phi-4": four, "gpt-oss-20b": 1.0}, "ami-b", half)] * 10
+    history = run_with_images(steps, 0.25)
+    plan = history[-1][0]
+    job = ("phi-4", "prefill")
+    n = sum((i.model, i.phase) == job for i in plan.instances)
+    assert n >= 4
+    waves = [upgrading(state, image).get(job, 0) for _, image, state in history]
+    assert waves[:2] == [0, 0] and max(waves) == 1  # one at a time
+    assert sum(w > 0 for w in waves) >= n  # a wave per replica
+    check_capacity = [s.capacity().get(job, 0.0) for _, _, s in history]
+    assert min(check_capacity[1:]) >= check_capacity[1] - 1e-9
+    final = history[-1][2]
+    on_b = [m for m in final.members.values() if m.instance.model == "phi-4"]
+    assert {m.image for m in on_b} == {"ami-b"} and len(final.members) == len(plan.instances)

@@ -252,23 +252,69 @@ def test_gcp_names_hold_only_what_gcp_allows():
 def test_nodes_keep_the_image_the_stack_first_deployed(tmp_path, preview):
     """Regression: the AMI was read from SSM's "latest" parameter on every run, so a new DLAMI
     release (every 1-2 weeks) changed `ami` and replaced every node and the gateway at once. It
-    is now resolved once per region, recorded in the `images` output and kept."""
+    is now resolved once per region, recorded in the `images` output and on each replica, and
+    kept; an explicit upgrade rolls out through the reconfiguration states: each replica gets a
+    successor on the new image and keeps serving, on its own image, until that one is ready."""
     first = preview("dev", REPO / "stacks")
     images = json.loads(first.outputs["images"])
     assert images == {"us-east-2": "ami-0mock0dlami0gpu", "gateway:us-east-2": "ami-0mock0dlami0gpu"}
-    recorded = {"us-east-2": "ami-0recorded0gpu", "gateway:us-east-2": "ami-0recorded0gw"}
-    again = preview("dev", REPO / "stacks", previous_outputs=first.outputs | {
-        "images": json.dumps(recorded)})  # fmt: skip
-    amis = {r.inputs["ami"] for r in again.of_type("aws:ec2/instance:Instance")}
-    assert amis == {"ami-0recorded0gpu", "ami-0recorded0gw"}  # not SSM's newer one
-    assert json.loads(again.outputs["images"]) == recorded
-    # An explicit upgrade reads SSM again.
+    # The same fleet deployed when SSM named an older image.
+    old = {k: v.replace("ami-0mock0dlami0gpu", "ami-0old") if k in ("images", "fleet_state") else v
+           for k, v in first.outputs.items()}  # fmt: skip
+    later = datetime.now(UTC) + timedelta(hours=1)  # the first run's replicas have booted
+    again = preview("dev", REPO / "stacks", previous_outputs=old, now=later)
+    gpu_nodes = [n for n in again.of_type("aws:ec2/instance:Instance") if "coral:replica" in n.inputs["tags"]]
+    assert {n.inputs["ami"] for n in gpu_nodes} == {"ami-0old"}  # not SSM's newer one
+    assert json.loads(again.outputs["images"])["us-east-2"] == "ami-0old"
+    replicas = {n.inputs["tags"]["coral:replica"] for n in gpu_nodes}
+    assert replicas == {n.inputs["tags"]["coral:replica"] for n in nodes_of(first)
+                        if "coral:replica" in n.inputs["tags"]}  # no successor  # fmt: skip
+
     stacks = stacks_with(tmp_path, "dev", deploy={"refresh_images": True})
-    upgraded = preview("dev", stacks, previous_outputs=first.outputs | {
-        "images": json.dumps(recorded)})  # fmt: skip
-    assert {r.inputs["ami"] for r in upgraded.of_type("aws:ec2/instance:Instance")} == {
+    upgraded = preview("dev", stacks, previous_outputs=old, now=later)
+    nodes = [n for n in upgraded.of_type("aws:ec2/instance:Instance") if "coral:replica" in n.inputs["tags"]]
+    by_ami: dict[str, set[str]] = {}
+    for n in nodes:
+        by_ami.setdefault(n.inputs["ami"], set()).add(n.inputs["tags"]["coral:replica"])
+    # Every replica keeps its node (same inputs), and gets a successor on the new image.
+    assert by_ami["ami-0old"] == replicas
+    assert len(by_ami["ami-0mock0dlami0gpu"]) == len(by_ami["ami-0old"])
+    states = upgraded.outputs["instances_by_state"]
+    assert sorted(states["starting"]) == sorted(by_ami["ami-0mock0dlami0gpu"])
+    assert sorted(states["retiring"]) == sorted(by_ami["ami-0old"])  # serving until replaced
+    assert all("^" in r for r in by_ami["ami-0mock0dlami0gpu"])
+    # Once the successors have booted, the old replicas drain, then go: all on the new image.
+    done = upgraded
+    for hours in (2, 4):
+        done = preview("dev", stacks, previous_outputs=done.outputs, now=later + timedelta(hours=hours))
+    states = done.outputs["instances_by_state"]
+    assert sorted(states["ready"]) == sorted(by_ami["ami-0mock0dlami0gpu"])
+    assert states["retiring"] == states["draining"] == states["starting"] == []
+    assert {n.inputs["ami"] for n in nodes_of(done) if "coral:replica" in n.inputs["tags"]} == {
         "ami-0mock0dlami0gpu"
     }
+
+
+def test_a_new_gcp_image_rolls_out_and_keeps_the_old_nodes_as_they_are(tmp_path, preview):
+    """GCP: a new `deploy.gcp_image` boots successors on it; the running nodes keep theirs."""
+    first = preview("dev-gcp", REPO / "stacks")
+    old = {n.name: n.inputs["bootDisk"]["initializeParams"]["image"] for n in nodes_of(first)}
+    new_image = "projects/p/global/images/new"
+    deploy = {"gateway": {"enabled": False}, "gcp_image": new_image}
+    stacks = stacks_with(tmp_path, "dev-gcp", base="dev-gcp", deploy=deploy)
+    later = datetime.now(UTC) + timedelta(hours=1)
+    upgraded = preview("dev-gcp", stacks, previous_outputs=first.outputs, now=later)
+    images = {n.name: n.inputs["bootDisk"]["initializeParams"]["image"] for n in nodes_of(upgraded)}
+    assert {u: images[u] for u in old} == old  # unchanged inputs: nothing replaced
+    new = {u: i for u, i in images.items() if u not in old}
+    assert new and set(new.values()) == {new_image}
+    # A fleet declared before images were kept per replica is taken to run the image named now.
+    legacy = json.loads(first.outputs["fleet_state"])
+    for m in legacy["members"].values():
+        m.pop("image")
+    same = preview("dev-gcp", REPO / "stacks", now=later,
+                   previous_outputs=first.outputs | {"fleet_state": json.dumps(legacy)})  # fmt: skip
+    assert {n.name for n in nodes_of(same)} == set(old)
 
 
 def test_nodes_launch_in_a_zone_that_offers_their_instance_types(tmp_path, preview):
