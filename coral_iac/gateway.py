@@ -36,6 +36,7 @@ from coral_iac.bootstrap import TEMPLATES, template_environment
 from coral_iac.deploy_settings import GatewaySettings
 from coral_iac.infra import EC2_ASSUME_ROLE, SECRET_SUFFIX, GatewayPeer, Infra, slug
 from solver.errors import InputError
+from solver.operations.reconfiguration import IMAGE_SEP
 from solver.plan.schema import Instance, LengthBucket, Plan, template_ref
 from solver.stack import FleetConfig
 from solver.types import BUCKET_SEP, FROZEN, base_model
@@ -150,8 +151,11 @@ def gateway_upstreams(
 
 
 def server_name(key: str) -> str:
-    """The HAProxy server name of a replica key (name-safe; the same in the health report)."""
-    return slug(key).replace(BUCKET_SEP, ".")
+    """The HAProxy server name of a replica key (the same in the health report). HAProxy allows
+    only letters, digits and ".-_:" there, so a decode replica's peers digest ("~") and a
+    successor's image digest ("^") become ".p" and ".i"."""
+    name = slug(key).replace(BUCKET_SEP, ".")
+    return name.replace("~", ".p").replace(IMAGE_SEP, ".i")
 
 
 class HealthReport(BaseModel):

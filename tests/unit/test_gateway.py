@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+from datetime import UTC, datetime, timedelta
 
 import pytest
 import yaml
@@ -312,6 +313,28 @@ def gateway_vm(result):
         if r.inputs["tags"].get("coral:role") == "gateway"
     ]
     return vm
+
+
+def test_haproxy_accepts_the_configuration_the_program_declares(tmp_path, preview):
+    """Regression: a decode replica's id carries its peers' digest after "~", which HAProxy
+    refuses in a server name, so the dev stack's gateway never loaded its configuration (the
+    sync checks it with `haproxy -c` first). Also with successors on a new boot image ("^")."""
+    first = preview("dev", REPO / "stacks")
+    stacks = stacks_with(tmp_path, "dev", deploy={"refresh_images": True})
+    old = {k: v.replace("ami-0mock0dlami0gpu", "ami-0old") if k in ("images", "fleet_state") else v
+           for k, v in first.outputs.items()}  # fmt: skip
+    later = datetime.now(UTC) + timedelta(hours=1)
+    rolling = preview("dev", stacks, previous_outputs=old, now=later)
+    keys = tmp_path / "keys"
+    keys.write_text("Bearer k\n")
+    for result in (first, rolling):
+        cfg = tmp_path / "haproxy.cfg"
+        cfg.write_text(config_of(result).replace("/etc/haproxy/coral-api-keys", str(keys)))
+        r = subprocess.run([_tool("haproxy"), "-c", "-f", str(cfg)], capture_output=True, text=True)
+        assert r.returncode == 0 and "[WARNING]" not in r.stdout + r.stderr, r.stdout + r.stderr
+    servers = [line.split()[1] for line in config_of(rolling).splitlines()
+               if line.strip().startswith("server ")]  # fmt: skip
+    assert len(servers) == len(set(servers)) >= 2  # the old decode replica and its successor
 
 
 def test_program_declares_a_locked_down_gateway(tmp_path, preview):
