@@ -293,7 +293,8 @@ def node_boots(
         hf_token_secret: secret-manager name of the Hugging Face token.
         api_key_secret: secret-manager name of the API key every vLLM head requires,
             aggregated and prefill/decode alike; a decode node's vllm-router gets it as
-            OPENAI_API_KEY (`deploy.api_key_secret`; read at boot, never in user-data).
+            OPENAI_API_KEY (read at boot, never in user-data). The program sets it
+            (`deploy.api_key_secret`) only for a fleet without a gateway, which checks it alone.
 
     Returns:
         One `NodeBoot` per node that runs vLLM processes.

@@ -10,8 +10,9 @@
 - Per (model, region), a security group or firewall rules. Nodes of one model in one region
   reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
   instance must reach its decode router. The API port is open only to `deploy.api_cidrs`, and
-  only where an endpoint runs (with `deploy.api_key_secret`, a disaggregated model's port, its
-  vllm-router that checks no key, is open to the gateway alone). Nothing else is open: no SSH.
+  only where an endpoint runs (with `deploy.api_key_secret`, an endpoint that checks no key, a
+  disaggregated model's vllm-router or any replica behind the gateway, which checks the key
+  alone, is open to the gateway alone). Nothing else is open: no SSH.
 - Where an endpoint runs, the stack's gateway (`coral_iac/gateway.py`) reaches the API port: by
   its security group in its own region (private addresses), by its Elastic IP elsewhere.
 """
@@ -113,6 +114,9 @@ class Infra:
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
         self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
+        # Whether GPU nodes check deploy.api_key_secret themselves: not behind a gateway, which
+        # checks it alone (set before any region, so the nodes' identity may not read it).
+        self.nodes_read_api_key = deploy.api_key_secret is not None
         self.aws_providers: dict[str, aws.Provider] = {}
         self._gcp_network: gcp.compute.Network | None = None
 
@@ -262,7 +266,7 @@ class Infra:
                         {
                             "Effect": "Allow",
                             "Action": "secretsmanager:GetSecretValue",
-                            "Resource": _secret_arns(self.deploy),
+                            "Resource": _secret_arns(self.deploy, self.nodes_read_api_key),
                         }
                     ],
                 }
@@ -360,7 +364,7 @@ class Infra:
                 member=account.email.apply(lambda e: f"serviceAccount:{e}"),
                 opts=opts,
             )
-            if self.deploy.api_key_secret:  # vLLM servers and routers read it at boot
+            if self.deploy.api_key_secret and self.nodes_read_api_key:  # vLLM reads it at boot
                 gcp.secretmanager.SecretIamMember(
                     "node-read-api-key",
                     secret_id=secret_name("gcp", self.deploy.api_key_secret),
@@ -476,9 +480,10 @@ def gcp_name(model: str) -> str:
 SECRET_SUFFIX = "-??????"
 
 
-def _secret_arns(deploy: DeploySettings) -> str | list[str]:
-    """The secrets nodes may read: the Hugging Face token, and the API key when one is set."""
+def _secret_arns(deploy: DeploySettings, api_key: bool = True) -> str | list[str]:
+    """The secrets nodes may read: the Hugging Face token, and the API key when one is set and
+    `api_key` (the nodes check it themselves: no gateway does)."""
     arns = [f"arn:aws:secretsmanager:*:*:secret:{deploy.hf_token_secret}{SECRET_SUFFIX}"]
-    if deploy.api_key_secret:
+    if deploy.api_key_secret and api_key:
         arns.append(f"arn:aws:secretsmanager:*:*:secret:{deploy.api_key_secret}{SECRET_SUFFIX}")
     return arns[0] if len(arns) == 1 else arns

@@ -232,12 +232,16 @@ def declare(
             disaggregated=spec.serving == "disaggregated",
             api_port=deploy.api_port,
             hf_token_secret=deploy.hf_token_secret,
-            api_key_secret=deploy.api_key_secret,
+            # Behind a gateway the key is checked there alone (docs/gateway.md, "API key").
+            api_key_secret=deploy.api_key_secret if gateway is None else None,
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
-        # vllm-router checks no API key: with one set, only the gateway reaches a P/D endpoint.
-        clients = not (deploy.api_key_secret and spec.serving == "disaggregated")
+        # With an API key, an endpoint that checks none (vllm-router, or any replica behind the
+        # gateway) is open to the gateway alone.
+        clients = not deploy.api_key_secret or (
+            gateway is None and spec.serving != "disaggregated"
+        )
         group = (
             infra.aws_group(region, inst.model, _has_endpoint(plan, inst), clients)
             if inst.cloud == "aws"
@@ -410,6 +414,7 @@ def _gateway(
             "gateway.region to an aws region, or deploy.gateway.enabled: false to silence this"
         )
         return None
+    infra.nodes_read_api_key = False  # the gateway checks the key (docs/gateway.md, "API key")
     return Gateway(
         "gateway",
         GatewayArgs(

@@ -1,7 +1,9 @@
-"""`deploy.api_key_secret` (#18 item 6): the gateway (HAProxy) and every vLLM server (aggregated,
-prefill, decode) require the API key, read from the secret manager at boot, never carried in
-user-data or in the gateway's SSM parameter; a P/D pair's vllm-router, which cannot require it,
-forwards it and is reachable from the gateway only."""
+"""`deploy.api_key_secret`: behind the gateway, HAProxy alone checks the key (any of the
+secret's lines, so a new key needs no restart) and strips it; the replicas, which then check
+none, are open to the gateway alone and may not read the secret. Without a gateway, every vLLM
+server (aggregated) requires the key itself, read from the secret manager at boot, never
+carried in user-data or in the gateway's SSM parameter; a P/D pair's vllm-router, which cannot
+require it, needs the gateway."""
 
 from __future__ import annotations
 
@@ -25,11 +27,12 @@ from coral_iac.bootstrap import render_user_data
 from coral_iac.gateway import (
     API_KEY_FILE,
     gateway_upstreams,
+    parameter_value,
     render_gateway_user_data,
     render_haproxy_config,
 )
 from tests.conftest import REPO
-from tests.unit.test_gateway import make_plan, serving_keys
+from tests.unit.test_gateway import _files, make_plan, serving_keys
 from tests.unit.test_gateway_live import FakeVllm, _free_port, _wait_until_listening
 
 SECRET = "coral/api-key"
@@ -55,22 +58,24 @@ def _policy_resources(result, name: str) -> list[str]:
     return found
 
 
-def test_program_wires_the_key_by_name_only(tmp_path, preview):
-    result = preview("keyed", keyed_stack(tmp_path))
-    nodes = [
+def _replicas(result) -> list:
+    return [
         r
         for r in result.of_type("aws:ec2/instance:Instance")
         if "coral:replica" in r.inputs["tags"]
     ]
+
+
+def test_behind_the_gateway_only_the_gateway_reads_and_checks_the_key(tmp_path, preview):
+    result = preview("keyed", keyed_stack(tmp_path))
+    nodes = _replicas(result)
     assert nodes and all(r.inputs["tags"]["coral:phase"] == "aggregated" for r in nodes)
     for node in nodes:
-        text = node.inputs["userData"]
-        assert f"CORAL_API_KEY_SECRET={SECRET}\n" in text
-        assert 'VLLM_API_KEY="$(api_key)"' in text and "export VLLM_API_KEY" in text
-        assert '--secret-id "${CORAL_API_KEY_SECRET}"' in text
-    node_arns = _policy_resources(result, "node-read-hf-token")
-    # Secrets Manager's six-character suffix exactly: not another secret sharing the prefix
-    assert f"arn:aws:secretsmanager:*:*:secret:{SECRET}-??????" in node_arns
+        assert "API_KEY" not in node.inputs["userData"] and SECRET not in node.inputs["userData"]
+    # Least privilege: the nodes may read the Hugging Face token only.
+    assert _policy_resources(result, "node-read-hf-token") == [
+        "arn:aws:secretsmanager:*:*:secret:coral/hf-token-??????"
+    ]
     (gateway_vm,) = [
         r
         for r in result.of_type("aws:ec2/instance:Instance")
@@ -83,6 +88,27 @@ def test_program_wires_the_key_by_name_only(tmp_path, preview):
     ]
     config = gzip.decompress(base64.b64decode(parameter.inputs["insecureValue"])).decode()
     assert f"-f {API_KEY_FILE}" in config and "Bearer" not in config.split("# deploy.")[0]
+    assert "http-request del-header authorization" in config
+    # Clients reach the replicas through the gateway only: they check no key.
+    assert {r["description"] for r in _api_rules(result, "phi-4")} == {"Coral gateway"}
+
+
+def test_without_a_gateway_vllm_checks_the_key_itself(tmp_path, preview):
+    stacks = keyed_stack(tmp_path)
+    path = stacks / "Pulumi.keyed.yaml"
+    doc = yaml.safe_load(path.read_text())
+    doc["config"]["coral:fleet"]["deploy"]["gateway"] = {"enabled": False}
+    path.write_text(yaml.safe_dump(doc))
+    result = preview("keyed", stacks)
+    for node in _replicas(result):
+        text = node.inputs["userData"]
+        assert f"CORAL_API_KEY_SECRET={SECRET}\n" in text
+        assert 'VLLM_API_KEY="$(api_key)"' in text and "export VLLM_API_KEY" in text
+        assert '--secret-id "${CORAL_API_KEY_SECRET}"' in text
+    node_arns = _policy_resources(result, "node-read-hf-token")
+    # Secrets Manager's six-character suffix exactly: not another secret sharing the prefix
+    assert f"arn:aws:secretsmanager:*:*:secret:{SECRET}-??????" in node_arns
+    assert {r["description"] for r in _api_rules(result, "phi-4")} == {"OpenAI-compatible API"}
 
 
 def test_without_a_key_nothing_changes(tmp_path, preview):
@@ -116,23 +142,14 @@ def _api_rules(result, model: str) -> list[dict]:
     return [rule for rule in group.inputs["ingress"] if rule.get("fromPort") == 8000]
 
 
-def test_disaggregated_nodes_require_and_forward_the_key(tmp_path, preview):
-    """Prefill and decode vLLM servers require the key; the decode node's vllm-router gets it as
-    OPENAI_API_KEY (the Bearer token it sends them); its port is open to the gateway only."""
+def test_disaggregated_nodes_behind_the_gateway_hold_no_key(tmp_path, preview):
+    """Prefill and decode servers and the decode node's vllm-router hold no key behind the
+    gateway; the router's port is open to the gateway only."""
     result = preview("keyed", keyed_stack(tmp_path, "disaggregated"))
-    nodes = [
-        r
-        for r in result.of_type("aws:ec2/instance:Instance")
-        if "coral:replica" in r.inputs["tags"]
-    ]
+    nodes = _replicas(result)
     assert {r.inputs["tags"]["coral:phase"] for r in nodes} == {"prefill", "decode"}
     for node in nodes:
-        text = node.inputs["userData"]
-        script = _start_script(text)
-        assert f"CORAL_API_KEY_SECRET={SECRET}\n" in text
-        assert 'VLLM_API_KEY="$(api_key)"' in script and "export VLLM_API_KEY" in script
-        routed = node.inputs["tags"]["coral:phase"] == "decode" and "vllm-router " in script
-        assert ('OPENAI_API_KEY="${VLLM_API_KEY}"' in script) == routed
+        assert "API_KEY" not in node.inputs["userData"]
     assert any(
         "vllm-router " in _start_script(r.inputs["userData"])
         for r in nodes
@@ -140,11 +157,6 @@ def test_disaggregated_nodes_require_and_forward_the_key(tmp_path, preview):
     )
     (rule,) = _api_rules(result, "phi-4")  # no api_cidrs rule: vllm-router checks no key
     assert rule["description"] == "Coral gateway" and not rule.get("cidrBlocks")
-    aggregated = preview("keyed", keyed_stack(tmp_path))
-    assert {r["description"] for r in _api_rules(aggregated, "phi-4")} == {
-        "OpenAI-compatible API",  # vLLM itself checks the key there
-        "Coral gateway",
-    }
 
 
 def test_a_keyed_disaggregated_stack_without_a_gateway_is_refused(tmp_path, preview):
@@ -362,6 +374,101 @@ def test_haproxy_requires_the_key(tmp_path):
         backend.kill()
     assert statuses == {"none": 401, "wrong": 401, "prefix": 401, "right": 200}
     assert len(backend.served) == 1
+
+
+def test_a_new_key_is_accepted_before_the_old_one_goes_without_a_restart(tmp_path):
+    """Key rotation through the rendered coral-gateway-sync (stand-ins for `aws`, for install's
+    owner flags, and for systemctl, which reloads the real HAProxy master as Debian's unit does,
+    with SIGUSR2): the secret gains the new key on a second line, then loses the old one. A
+    client on the new key is never refused once the gateway took it, none on the old key
+    before it was removed, and no replica ever sees a key (HAProxy strips it)."""
+    haproxy = shutil.which("haproxy")
+    assert haproxy, "haproxy is not installed: scripts/test installs it (scripts/debian_tools)"
+    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
+    (key,) = serving_keys(plan)
+    backend = FakeVllm("phi-4")
+    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    port = _free_port()
+    live, keys = tmp_path / "haproxy.cfg", tmp_path / "coral-api-keys"
+
+    def local(text: str) -> str:
+        return text.replace("/etc/haproxy/haproxy.cfg", str(live)).replace(API_KEY_FILE, str(keys))
+
+    config = local(
+        render_haproxy_config(
+            gateway_upstreams(plan, {key: backend.address}), "live", port, 100, api_key=True
+        )
+    )
+    files = _files(render_gateway_user_data("live", "us-east-2", port, SECRET))
+    sync = tmp_path / "sync"
+    sync.write_text(local(files["/usr/local/bin/coral-gateway-sync"]))
+    secret, pidfile, bin_dir = tmp_path / "secret", tmp_path / "haproxy.pid", tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "aws").write_text(
+        f'#!/bin/sh\ncase "$*" in\n  *{SECRET}*) cat {secret} ;;\n'
+        f"  *get-parameter*) echo {parameter_value(config)} ;;\nesac\n"
+    )
+    (bin_dir / "systemctl").write_text(
+        f'#!/bin/sh\ncase "$*" in\n  reload-or-restart*) [ ! -f {pidfile} ] || kill -USR2 "$(cat {pidfile})" ;;\n'
+        "esac\n"
+    )
+    (bin_dir / "install").write_text(
+        "#!/bin/sh\nargs=''\nwhile [ $# -gt 0 ]; do\n"
+        '  case "$1" in -o|-g) shift 2 ;; *) args="$args $1"; shift ;; esac\n'
+        f"done\nexec {shutil.which('install')} $args\n"
+    )
+    for f in bin_dir.iterdir():
+        f.chmod(0o755)
+    env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/bin"}
+
+    def sync_with(text: str) -> None:
+        secret.write_text(text)
+        r = subprocess.run(["bash", str(sync)], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+
+    def status(k: str) -> int:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        body = json.dumps({"model": "phi-4", "prompt": "hi", "max_tokens": 1})
+        headers = {"Content-Type": "application/json", "Authorization": f"Bearer {k}"}
+        conn.request("POST", "/phi-4/v1/completions", body, headers)
+        response = conn.getresponse()
+        response.read()
+        conn.close()
+        return response.status
+
+    def settle(k: str, want: int) -> list[int]:
+        """Statuses for key `k` until the reload is in (at most 5 s)."""
+        seen = [status(k)]
+        deadline = time.monotonic() + 5
+        while seen[-1] != want and time.monotonic() < deadline:
+            time.sleep(0.05)
+            seen.append(status(k))
+        return seen
+
+    sync_with("old-key")
+    assert keys.read_text() == "Bearer old-key\n"
+    log = (tmp_path / "haproxy.log").open("w")
+    proc = subprocess.Popen(
+        [haproxy, "-W", "-db", "-p", str(pidfile), "-f", str(live)], stdout=log, stderr=log
+    )
+    try:
+        _wait_until_listening(port, proc)
+        assert (status("old-key"), status("new-key")) == (200, 401)
+        sync_with("old-key\n  new-key \r\n\n")  # a second line, any whitespace around it
+        assert keys.read_text() == "Bearer old-key\nBearer new-key\n"
+        assert settle("new-key", 200)[-1] == 200
+        assert status("old-key") == 200  # both keys while clients move
+        sync_with("new-key\n")
+        before = settle("old-key", 401)
+        assert before[-1] == 401 and set(before) <= {200, 401}
+        assert [status("new-key") for _ in range(5)] == [200] * 5
+        assert proc.poll() is None  # reloaded, never restarted
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+        log.close()
+        backend.kill()
+    assert backend.authorization and set(backend.authorization) == {None}
 
 
 def test_a_world_open_api_with_a_key_names_the_secret():

@@ -60,6 +60,7 @@ class FakeVllm(ThreadingHTTPServer):
         super().__init__(("127.0.0.1", 0), _Handler)
         self.model, self.healthy = model, True
         self.served: list[str] = []  # model field of every request served (not /health)
+        self.authorization: list[str | None] = []  # the Authorization header of each of them
         self.failed_checks = 0
         self.lock = threading.Lock()
         self.connections: set[socket.socket] = set()
@@ -131,6 +132,7 @@ class _Handler(BaseHTTPRequestHandler):
             return
         with s.lock:
             s.served.append(body["model"])
+            s.authorization.append(self.headers.get("Authorization"))
         chat = self.path.endswith("chat/completions")
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None}
         choice |= {"message": {"role": "assistant", "content": "ok"}} if chat else {"text": "ok"}
