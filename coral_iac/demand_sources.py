@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime as dt
 import logging
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -21,7 +22,7 @@ import httpx
 from coral_iac.project import confined, project_root
 from solver.catalog.offers import load_catalog
 from solver.catalog.user_models import stack_cards
-from solver.errors import InputError
+from solver.errors import InputError, mask_credentials
 from solver.operations.demand_rules import (
     GENERATION_METRIC,
     PROMPT_METRIC,
@@ -35,7 +36,14 @@ from solver.operations.demand_rules import (
     rates_demand,
     with_floors,
 )
-from solver.stack import FleetConfig, PrometheusSource
+from solver.stack import (
+    MAX_TOKENS_PER_S,
+    Demand,
+    FleetConfig,
+    PhaseTokens,
+    PrometheusSource,
+    demand_bound_problem,
+)
 from solver.validation import check_fleet
 
 log = logging.getLogger(__name__)
@@ -58,14 +66,23 @@ def demand_file_path(fleet: FleetConfig, stack: str, stacks_dir: Path) -> Path:
     return confined(path, "coral:fleet.demand_source.file", root)
 
 
+UNREACHABLE_FIX = (
+    "check the URL and that this machine can reach it; to ask another Prometheus, set "
+    "CORAL_PROMETHEUS_URL=URL (read by `coral plan` and the Pulumi program) or pass "
+    "--prometheus URL to `coral demand show` or `coral demand refresh`; or set "
+    "demand_source.prometheus.on_unreachable: file to plan on the stack's demand file"
+)
+
+
 def query_vector(
     settings: PrometheusSource, promql: str, client: httpx.Client | None = None
 ) -> dict[str, float]:
-    """One instant query; returns {model label value: sample value}.
+    """One instant query; returns {model label value: sample value}, each a finite rate >= 0.
 
     Raises:
         PrometheusUnreachable: no answer from the server (the message names the URL).
-        InputError: an HTTP error status, a Prometheus error, or a result that is not a vector.
+        InputError: an HTTP error status, a Prometheus error, a result that is not a vector,
+            or a sample that is not a finite number >= 0 (NaN, +Inf: named with its model).
     """
     url = settings.url.rstrip("/") + "/api/v1/query"
     if client is None:
@@ -77,7 +94,13 @@ def query_vector(
         raise PrometheusUnreachable(
             URL_FIELD,
             f"cannot reach Prometheus at {url} ({type(e).__name__}: {e})",
-            "check the URL and that this machine can reach it, or pass --prometheus URL",
+            UNREACHABLE_FIX,
+        ) from e
+    except httpx.HTTPError as e:  # e.g. too many redirects
+        raise InputError(
+            URL_FIELD,
+            f"Prometheus at {url} gave no answer to `{promql}` ({type(e).__name__}: {e})",
+            "check the URL points at Prometheus itself (not Grafana or a login page)",
         ) from e
     body = _json(response)
     if response.status_code != 200 or body.get("status") != "success":
@@ -87,15 +110,65 @@ def query_vector(
             f"Prometheus at {url} answered HTTP {response.status_code} to `{promql}`: {reason}",
             "check the URL points at Prometheus itself (not Grafana) and the query's labels",
         )
-    data = body.get("data") or {}
-    if data.get("resultType") != "vector":
-        raise InputError(URL_FIELD, f"expected a vector from `{promql}`, got {data!r:.200}")
+    return _vector(body.get("data"), settings.model_label, f"Prometheus at {url}", promql)
+
+
+def _vector(data: Any, label: str, source: str, promql: str) -> dict[str, float]:
+    """An instant vector's samples summed per value of `label` (samples without it skipped).
+
+    Raises:
+        InputError: not a vector of `{metric: {...}, value: [time, "number"]}` samples, or a
+            rate that is not a finite number >= 0.
+    """
+    result = data.get("result", []) if isinstance(data, dict) else None
+    if (
+        not isinstance(data, dict)
+        or data.get("resultType") != "vector"
+        or not isinstance(result, list)
+    ):
+        raise InputError(
+            URL_FIELD,
+            f"expected a vector from `{promql}`, got {data!r:.200}",
+            "check the URL points at Prometheus's HTTP API",
+        )
     out: dict[str, float] = {}
-    for sample in data.get("result", []):
-        model = sample.get("metric", {}).get(settings.model_label)
-        if model is not None:
-            out[model] = out.get(model, 0.0) + float(sample["value"][1])
+    for sample in result:
+        metric = sample.get("metric") if isinstance(sample, dict) else None
+        value = sample.get("value") if isinstance(sample, dict) else None
+        model = metric.get(label) if isinstance(metric, dict) else None
+        if model is None and isinstance(metric, dict):
+            continue
+        if not (isinstance(model, str) and isinstance(value, list) and len(value) == 2):
+            raise InputError(
+                URL_FIELD,
+                f"{source} answered `{promql}` with a sample that is not "
+                f'{{metric: {{{label}: ...}}, value: [time, "number"]}}: {sample!r:.200}',
+                "check the URL points at Prometheus's HTTP API",
+            )
+        out[model] = out.get(model, 0.0) + _rate(value[1], model, source, promql)
     return out
+
+
+def _rate(text: Any, model: str, source: str, promql: str) -> float:
+    """A sample's value: a finite number >= 0, as rate() of a counter is.
+
+    Raises:
+        InputError: NaN, +Inf, a negative number or not a number, named with its model.
+    """
+    try:
+        rate = float(text) if isinstance(text, str | int | float) else math.nan
+    except ValueError:
+        rate = math.nan
+    if math.isfinite(rate) and rate >= 0:
+        return rate
+    raise InputError(
+        URL_FIELD,
+        f"{source} answered {text!r:.40} tokens/s for model {model} to `{promql}`; a rate of "
+        "vLLM's token counters is a finite number >= 0",
+        f"check the series of {model} in Prometheus (a recording rule or relabelling that "
+        "divides by zero gives NaN or Inf); meanwhile give the model demand by hand "
+        "(demand_source kind: file)",
+    )
 
 
 def _json(response: httpx.Response) -> dict[str, Any]:
@@ -140,20 +213,71 @@ def demand_report(
         return config_demand(fleet)
     path = demand_file_path(fleet, stack, stacks_dir)
     if source.kind == "file":
-        return file_demand(fleet, load_demand_file(path), str(path))
+        return _file_demand(fleet, path)
     assert source.prometheus is not None  # the schema requires it for kind prometheus
     settings = _with_url(source.prometheus, prometheus_url)
     try:
-        return rates_demand(fleet, measure_rates(settings, client), settings)
+        return _rates_demand(fleet, measure_rates(settings, client), settings)
     except PrometheusUnreachable as e:
         if settings.on_unreachable != "file":
             raise
-        report = file_demand(fleet, load_demand_file(path), str(path))
+        report = _file_demand(fleet, path)
         warning = f"{e.problem}: using the last refreshed demand in {path}"
         report = report.model_copy(
             update={"kind": "prometheus", "warnings": [warning, *report.warnings]}
         )
         return with_floors(fleet, report, settings)
+
+
+def _file_demand(fleet: FleetConfig, path: Path) -> DemandReport:
+    """`file_demand` of the stack's demand file, each figure first checked in its model's units.
+
+    Raises:
+        InputError: as `load_demand_file`; a figure above the demand bounds once converted
+            (e.g. an aggregated model's tokens/s as requests/s), named by its key path.
+    """
+    doc = load_demand_file(path)
+    for model, demand in sorted(doc.demand.items()):
+        spec = fleet.models.get(model)
+        if spec is not None and (problem := demand_bound_problem(spec, demand)):
+            raise InputError(f"{path}: demand.{model}", problem, "correct the figure in the file")
+    return file_demand(fleet, doc, str(path))
+
+
+def _rates_demand(
+    fleet: FleetConfig, rates: MeasuredRates, settings: PrometheusSource
+) -> DemandReport:
+    """`rates_demand`, each measured rate times the headroom first checked against the bounds.
+
+    Raises:
+        InputError: a model whose measured demand is above the demand bounds (a query that sums
+            series it should not, most likely), named with its query.
+    """
+    url = mask_credentials(settings.url)
+    for query, per_model in zip(
+        rates.queries, (rates.prompt_tokens_per_s, rates.generation_tokens_per_s), strict=False
+    ):
+        for model, rate in sorted(per_model.items()):
+            if rate * settings.headroom > MAX_TOKENS_PER_S:
+                raise InputError(
+                    URL_FIELD,
+                    f"Prometheus at {url} measured {rate:.3g} tokens/s for {model} (`{query}`), "
+                    f"x headroom {settings.headroom:g}: above the {MAX_TOKENS_PER_S:.0e} tokens/s "
+                    "a demand may be",
+                    "check that the query's labels select only vLLM's counters of this fleet",
+                )
+    for model, spec in sorted(fleet.models.items()):
+        seen = PhaseTokens(
+            prefill=rates.prompt_tokens_per_s.get(model, 0.0) * settings.headroom,
+            decode=rates.generation_tokens_per_s.get(model, 0.0) * settings.headroom,
+        )
+        if problem := demand_bound_problem(spec, Demand(tokens_per_s=seen)):
+            raise InputError(
+                URL_FIELD,
+                f"Prometheus at {url} measured for {model}: {problem}",
+                "check that the query's labels select only vLLM's counters of this fleet",
+            )
+    return rates_demand(fleet, rates, settings)
 
 
 URL_ENV = "CORAL_PROMETHEUS_URL"
@@ -236,10 +360,11 @@ def refresh_file(
         )
     settings = _with_url(settings, prometheus_url)
     rates = measure_rates(settings, client)
-    report = rates_demand(fleet, rates, settings)
+    report = _rates_demand(fleet, rates, settings)
+    url = mask_credentials(settings.url)  # the file may be committed: no password in it
     when = (now or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).replace(microsecond=0)
     doc = DemandFile(
-        source=f"coral demand refresh: Prometheus {settings.url}, rate over {settings.window} "
+        source=f"coral demand refresh: Prometheus {url}, rate over {settings.window} "
         f"x headroom {settings.headroom:g}, floors applied",
         retrieved_utc=when,
         demand={m.model: m.demand for m in report.models},
@@ -247,8 +372,7 @@ def refresh_file(
     header = [
         f"Demand for stack {stack}, written by `coral demand refresh` at "
         f"{when.strftime('%Y-%m-%dT%H:%M:%SZ')}.",
-        f"Source: Prometheus {settings.url}, window {settings.window}, headroom "
-        f"{settings.headroom:g}.",
+        f"Source: Prometheus {url}, window {settings.window}, headroom {settings.headroom:g}.",
         *(f"Query: {q}" for q in rates.queries),
         *(f"{m.model}: {m.origin}" for m in report.models if m.origin != "prometheus"),
     ]

@@ -3,7 +3,17 @@
 from __future__ import annotations
 
 import difflib
+import re
 from collections.abc import Iterable
+
+# The user-info part of a URL (`https://user:password@host`): the password ends at the last
+# '@' before the path or query, so one with an '@' in it is masked whole.
+_CREDENTIALS = re.compile(r"(\b[A-Za-z][A-Za-z0-9+.-]*://)([^\s/@:]*):[^\s/?#]*@")
+
+
+def mask_credentials(text: str) -> str:
+    """`text` with the password of every URL in it masked: `http://user:***@host`."""
+    return _CREDENTIALS.sub(r"\1\2:***@", text)
 
 
 class CoralError(Exception):
@@ -23,9 +33,11 @@ class InputError(CoralError):
     def __init__(
         self, field: str, problem: str, fix: str = "", suggestions: Iterable[str] = ()
     ) -> None:
-        self.field = field
-        self.problem = problem
-        self.fix = fix
+        # A URL may carry a password (a Prometheus URL, from an option or the environment):
+        # no message shows it.
+        self.field = mask_credentials(field)
+        self.problem = mask_credentials(problem)
+        self.fix = mask_credentials(fix)
         self.suggestions = list(suggestions)
         super().__init__(self.render())
 

@@ -16,6 +16,7 @@ from typing import Any, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+from pydantic.fields import FieldInfo
 
 from solver.errors import InputError
 
@@ -58,18 +59,24 @@ def read_yaml(path: Path) -> Any:
 
 def parse_yaml(text: str, source: str) -> Any:
     """Parse YAML text, rejecting a mapping that names one key twice (YAML's last-wins rule
-    would silently drop the first value).
+    would silently drop the first value) and aliases that expand without bound.
 
     Raises:
-        InputError: bad syntax, or a duplicate key (named by its key path and line).
+        InputError: bad syntax, a duplicate key (named by its key path and line), aliases that
+            expand to more than `MAX_ALIAS_NODES` nodes or nest deeper than `MAX_YAML_DEPTH`,
+            or an alias inside its own anchor.
     """
     loader = _LOADER(text)
     try:
         node = loader.get_single_node()
         if node is None:
             return None
-        _reject_duplicate_keys(node, "", source)
-        return loader.construct_document(node)
+        checked = _NodeCheck(source)
+        checked.walk(node, "", 0)
+        try:
+            return loader.construct_document(node)
+        except (ValueError, TypeError, OverflowError) as exc:  # e.g. a date that does not exist
+            raise checked.unreadable() from exc
     except yaml.YAMLError as exc:
         raise InputError(source, f"not valid YAML: {_yaml_problem(exc)}", "fix the syntax") from exc
     finally:
@@ -86,27 +93,108 @@ def _yaml_problem(exc: yaml.YAMLError) -> str:
     return type(exc).__name__
 
 
-def _reject_duplicate_keys(node: yaml.Node, path: str, source: str) -> None:
-    """Walk a composed YAML node; a mapping with one key twice is an InputError."""
-    if isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _reject_duplicate_keys(item, f"{path}[{i}]", source)
-        return
-    if not isinstance(node, yaml.MappingNode):
-        return
-    seen: dict[str, int] = {}
-    for key_node, value_node in node.value:
-        key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "<complex key>"
-        where = f"{path}.{key}" if path else key
-        line = key_node.start_mark.line + 1
-        if key in seen and key != "<<":
+# An alias repeats its anchor's whole subtree, so anchors made of aliases of anchors grow
+# exponentially ("billion laughs": 9 aliases over 9 levels are 400 million nodes in 1 KB). A
+# stack or data file uses a few aliases of a few nodes each; these bounds are far above that,
+# and are checked on the composed nodes, before anything is expanded.
+MAX_ALIAS_NODES = 50_000  # nodes the file's aliases add when expanded
+MAX_YAML_DEPTH = 100  # nesting of the expanded document (a stack nests about 6 deep)
+_ALIAS_FIX = "write the repeated values out, or use fewer aliases of anchors that hold aliases"
+
+
+class _NodeCheck:
+    """One pass over a composed YAML document, visiting each node once: a mapping with one key
+    twice, and what the aliases would expand to (each node's expanded size and height are
+    memoized, so an alias costs O(1) however large its anchor)."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+        self.size: dict[int, int] = {}  # id(node) -> nodes once expanded
+        self.height: dict[int, int] = {}  # id(node) -> levels below it once expanded
+        self.open: set[int] = set()  # nodes being walked (an alias to one is a cycle)
+        self.alias_nodes = 0  # nodes the aliases add so far
+        self.scalars: list[tuple[str, yaml.ScalarNode]] = []  # (path, node), each node once
+
+    def walk(self, node: yaml.Node, path: str, depth: int) -> int:
+        """Check `node` at `path` (`depth` levels down); returns its expanded size."""
+        key = id(node)
+        if key in self.open:
             raise InputError(
-                f"{source}: {where}",
-                f"key '{key}' given twice in one mapping (lines {seen[key]} and {line})",
-                "keep one of the two: YAML would silently use only the last",
+                self._where(path),
+                "an alias refers to the node that contains it (the document would be infinite)",
+                "remove the alias, or point it at an anchor outside this node",
             )
-        seen[key] = line
-        _reject_duplicate_keys(value_node, where, source)
+        if key in self.size:  # reached again: an alias, repeating the whole subtree
+            self.alias_nodes += self.size[key]
+            self._check_bounds(path, depth + self.height[key])
+            return self.size[key]
+        self._check_bounds(path, depth)
+        self.open.add(key)
+        children = list(self._children(node, path))
+        size = 1 + sum(self.walk(child, where, depth + 1) for where, child in children)
+        self.open.discard(key)
+        self.size[key] = size
+        self.height[key] = 1 + max((self.height[id(c)] for _, c in children), default=-1)
+        return size
+
+    def _children(self, node: yaml.Node, path: str) -> list[tuple[str, yaml.Node]]:
+        if isinstance(node, yaml.ScalarNode):
+            self.scalars.append((path, node))
+        if isinstance(node, yaml.SequenceNode):
+            return [(f"{path}[{i}]", item) for i, item in enumerate(node.value)]
+        if not isinstance(node, yaml.MappingNode):
+            return []
+        seen: dict[str, int] = {}
+        out: list[tuple[str, yaml.Node]] = []
+        for key_node, value_node in node.value:
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "<complex key>"
+            where = f"{path}.{key}" if path else key
+            line = key_node.start_mark.line + 1
+            if key in seen and key != "<<":
+                raise InputError(
+                    self._where(where),
+                    f"key '{key}' given twice in one mapping (lines {seen[key]} and {line})",
+                    "keep one of the two: YAML would silently use only the last",
+                )
+            seen[key] = line
+            out += [(where, key_node), (where, value_node)]
+        return out
+
+    def unreadable(self) -> InputError:
+        """The error for the first scalar PyYAML cannot construct (`!!int abc`, a date that does
+        not exist, an integer of more than 4300 digits), named by its path and line."""
+        constructor = yaml.constructor.SafeConstructor()
+        for path, node in self.scalars:
+            try:
+                constructor.construct_object(node)
+            except (ValueError, TypeError, OverflowError, yaml.YAMLError) as exc:
+                kind = node.tag.rsplit(":", 1)[-1]
+                reason = "more than 4300 digits" if "integer string" in str(exc) else str(exc)
+                return InputError(
+                    f"{self._where(path)} (line {node.start_mark.line + 1})",
+                    f"{node.value!r:.40} is not a valid {kind} ({reason[:100]})",
+                    "correct the value, or quote it to keep it as text",
+                )
+        return InputError(self.source, "a value YAML cannot read", "correct the value")
+
+    def _where(self, path: str) -> str:
+        short = path if len(path) <= 80 else f"{path[:77]}..."  # deep paths repeat [0][0]...
+        return f"{self.source}: {short or '<root>'}"
+
+    def _check_bounds(self, path: str, depth: int) -> None:
+        if self.alias_nodes > MAX_ALIAS_NODES:
+            raise InputError(
+                self._where(path),
+                f"aliases expand to more than {MAX_ALIAS_NODES:,} nodes (anchors that repeat "
+                "anchors grow exponentially); refused before expanding them",
+                _ALIAS_FIX,
+            )
+        if depth > MAX_YAML_DEPTH:
+            raise InputError(
+                self._where(path),
+                f"nested more than {MAX_YAML_DEPTH} levels deep (aliases included)",
+                _ALIAS_FIX if self.alias_nodes else "flatten the nesting",
+            )
 
 
 def validation_error(
@@ -132,8 +220,17 @@ def validation_error(
             f"use one of: {', '.join(known)}" if known else "remove it, or fix its spelling",
             difflib.get_close_matches(key, known, n=3, cutoff=0.6),
         )
-    problem = f"{first['msg']}{_quoted_input(first.get('input'), bool(first['loc']))}{more}"
-    return InputError(f"{source}: {loc}", problem, "correct this field in the file")
+    value = first.get("input")
+    # A missing key's or a whole mapping's rule's input is the mapping: quoting adds nothing.
+    whole = first["type"] == "missing" or (
+        first["type"] == "value_error" and isinstance(value, dict)
+    )
+    quoted = "" if whole else _quoted_input(value, bool(loc))
+    field = _field_at(cls, first["loc"]) if cls else None
+    fix = "add this key" if first["type"] == "missing" else "correct this field in the file"
+    if field is not None and field.description:
+        fix += f"; {first['loc'][-1]}: {field.description.rstrip('.')}"
+    return InputError(f"{source}: {loc}", f"{first['msg']}{quoted}{more}", fix)
 
 
 def key_path(loc: tuple[int | str, ...]) -> str:
@@ -146,22 +243,38 @@ def key_path(loc: tuple[int | str, ...]) -> str:
 
 def _keys_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> list[str]:
     """The keys the model at `loc` inside `cls` allows (its fields), or [] if none is there."""
+    found = _annotation_at(cls, loc)
+    annotation = _model_or_container(found[0]) if found else None
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return sorted(f.alias or name for name, f in annotation.model_fields.items())
+    return []
+
+
+def _field_at(cls: type[BaseModel], loc: tuple[int | str, ...]) -> FieldInfo | None:
+    """The field of `cls` at `loc` (None when `loc` ends in a list item or leaves the model)."""
+    found = _annotation_at(cls, loc)
+    return found[1] if found else None
+
+
+def _annotation_at(
+    cls: type[BaseModel], loc: tuple[int | str, ...]
+) -> tuple[Any, FieldInfo | None] | None:
+    """The annotation at `loc` inside `cls`, and the field that declares it (None for an item
+    of a list or dict); None if `loc` leaves the model."""
     annotation: Any = cls
+    field: FieldInfo | None = None
     for part in loc:
         annotation = _model_or_container(annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             field = annotation.model_fields.get(str(part))
             if field is None:
-                return []
+                return None
             annotation = field.annotation
         elif get_origin(annotation) in (list, tuple, dict) and get_args(annotation):
-            annotation = get_args(annotation)[-1]
+            annotation, field = get_args(annotation)[-1], None
         else:
-            return []
-    annotation = _model_or_container(annotation)
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return sorted(f.alias or name for name, f in annotation.model_fields.items())
-    return []
+            return None
+    return annotation, field
 
 
 def _model_or_container(annotation: Any) -> Any:
@@ -176,6 +289,8 @@ def _model_or_container(annotation: Any) -> Any:
 def _quoted_input(value: Any, nested: bool) -> str:
     if isinstance(value, dict | list | tuple):
         return f" (got a {type(value).__name__})"
+    if isinstance(value, int) and value.bit_length() > 128:  # str() refuses > 4300 digits
+        return f" (got an integer of {value.bit_length()} bits)"
     text = repr(value)
     if not nested or len(text) > 40 or "\n" in str(value):
         return f" (got a {type(value).__name__} of {len(str(value))} characters)"
@@ -189,6 +304,8 @@ def parse_model(cls: type[M], data: Any, source: str) -> M:
     expected (YAML reads `yes` as true, which would become 1.0) and a non-finite number
     (`.inf`, `.nan`, "inf") are errors naming the field.
     """
+    if data is None:
+        raise InputError(source, "is empty", f"give it {expected_keys(cls)}")
     check_numbers(cls, data, source)
     try:
         return cls.model_validate(data)
@@ -248,14 +365,35 @@ def _check_number(value: Any, where: str, source: str) -> None:
     if not math.isfinite(number):
         raise InputError(
             f"{source}: {where}",
-            f"must be a finite number, got {value!r}",
+            f"must be a finite number{_quoted_input(value, nested=True)}",
             "write a finite number (no .inf or .nan)",
         )
 
 
+def expected_keys(cls: type[BaseModel]) -> str:
+    """What a mapping for `cls` holds, in words: `a mapping with the keys a, b (optional: c)`."""
+    fields = cls.model_fields.items()
+    required = [f.alias or name for name, f in fields if f.is_required()]
+    optional = [f.alias or name for name, f in fields if not f.is_required()]
+    text = "a mapping with the keys " + ", ".join(required) if required else "a mapping"
+    return text + (f" (optional: {', '.join(optional)})" if optional else "")
+
+
 def load_yaml_model(cls: type[M], path: Path) -> M:
-    """Load a YAML file into a pydantic model."""
-    return parse_model(cls, read_yaml(path), str(path))
+    """Load a YAML file into a pydantic model.
+
+    Raises:
+        InputError: as `read_yaml` and `parse_model`; an empty file (or one of only comments)
+            says so, with the keys it must hold.
+    """
+    data = read_yaml(path)
+    if data is None:
+        raise InputError(
+            str(path),
+            "the file is empty (no YAML, or only comments)",
+            f"write {expected_keys(cls)}",
+        )
+    return parse_model(cls, data, str(path))
 
 
 def read_two_column_csv(path: Path) -> list[tuple[float, float]]:

@@ -25,11 +25,31 @@ from solver.types import BUCKET_SEP, FROZEN, LibPhase, Mode
 
 FLEET_KEY = "coral:fleet"
 
+# Upper bounds on the numbers that reach the allocation ILP. Each is far above any real fleet
+# (so a value above it is a typo, such as an exponent too many) and far below what breaks the
+# arithmetic: demand of 1e30 leaves the solver with infinite coefficients, 1e308 overflows.
+# The largest public LLM services serve about 1e5-1e6 requests/s and 1e9 tokens/s worldwide
+# (Google reported over 1.3 quadrillion tokens a month across its products on Alphabet's
+# October 2025 earnings call: about 5e8 tokens/s).
+MAX_REQUESTS_PER_S = 1e7
+MAX_TOKENS_PER_S = 1e10
+MAX_MEAN_TOKENS = 1e7  # no model reads a longer context (the longest, Llama 4 Scout's, is 10M)
+MAX_SLO_MS = 3_600_000  # an hour
+MAX_NODES = 1_000_000  # nodes of one config (or GPUs of one type) in one region
+MAX_NODE_USD_PER_HOUR = 10_000  # 100x the dearest GPU node (AWS p5.48xlarge, 98.32 $/h in 2024)
+MAX_BUDGET_USD_PER_HOUR = 1e9
+
 
 class Slo(BaseModel):
     model_config = FROZEN
-    prefill: float = Field(gt=0, description="Prefill latency SLO, ms (TTFT-like).")
-    decode: float = Field(gt=0, description="Decode latency SLO, ms per output token.")
+    prefill: float = Field(
+        gt=0, le=MAX_SLO_MS, description="Prefill latency SLO, ms (TTFT-like); at most an hour."
+    )
+    decode: float = Field(
+        gt=0,
+        le=MAX_SLO_MS,
+        description="Decode latency SLO, ms per output token; at most an hour.",
+    )
 
 
 Serving = Literal["disaggregated", "aggregated"]
@@ -37,16 +57,32 @@ Serving = Literal["disaggregated", "aggregated"]
 
 class PhaseTokens(BaseModel):
     model_config = FROZEN
-    prefill: float = Field(ge=0, description="Prompt tokens/s to prefill.")
-    decode: float = Field(ge=0, description="Output tokens/s to generate.")
+    prefill: float = Field(
+        ge=0,
+        le=MAX_TOKENS_PER_S,
+        description="Prompt tokens/s to prefill; at most 1e10, 20 times what the largest "
+        "public LLM services process worldwide.",
+    )
+    decode: float = Field(
+        ge=0,
+        le=MAX_TOKENS_PER_S,
+        description="Output tokens/s to generate; at most 1e10, 20 times what the largest "
+        "public LLM services process worldwide.",
+    )
 
 
 class Demand(BaseModel):
     """A model's demand: requests/s (phases follow from the mean lengths) or tokens/s per phase."""
 
     model_config = FROZEN
-    requests_per_s: float | None = Field(default=None, ge=0)
-    tokens_per_s: PhaseTokens | None = None
+    requests_per_s: float | None = Field(
+        default=None,
+        ge=0,
+        le=MAX_REQUESTS_PER_S,
+        description="Requests/s to serve; at most 1e7, ten times what the largest public LLM "
+        "services serve worldwide.",
+    )
+    tokens_per_s: PhaseTokens | None = Field(default=None, description="Or tokens/s per phase.")
 
     @model_validator(mode="after")
     def _exactly_one(self) -> Demand:
@@ -104,8 +140,12 @@ class ModelSpec(BaseModel):
 
     model_config = FROZEN
     slo_ms: Slo
-    mean_prompt_tokens: float = Field(gt=0, description="Mean prompt length of its workload.")
-    mean_output_tokens: float = Field(gt=0, description="Mean output length of its workload.")
+    mean_prompt_tokens: float = Field(
+        gt=0, le=MAX_MEAN_TOKENS, description="Mean prompt length of its workload, tokens."
+    )
+    mean_output_tokens: float = Field(
+        gt=0, le=MAX_MEAN_TOKENS, description="Mean output length of its workload, tokens."
+    )
     workload: str = Field(default="", description="Trace the lengths come from, with source.")
     demand: Demand | None = Field(default=None, description="Needed by `coral plan`.")
     serving: Serving = Field(
@@ -130,9 +170,11 @@ class ModelSpec(BaseModel):
     )
     priority: int = Field(
         default=0,
+        ge=-1000,
+        le=1000,
         description="Under scarcity (demand the availability or budget cannot meet), models of "
         "a higher priority are served first; within a priority the least served fraction is "
-        "made as large as it can be, then the total. Equal (0) by default.",
+        "made as large as it can be, then the total. Equal (0) by default; -1000 to 1000.",
     )
     length_routing: LengthRouting | None = Field(
         default=None,
@@ -142,6 +184,12 @@ class ModelSpec(BaseModel):
     length_slice: LengthSlice | None = Field(
         default=None, description="Set by the planner on a length bucket; not for stack files."
     )
+
+    @model_validator(mode="after")
+    def _demand_in_bounds(self) -> ModelSpec:
+        if self.demand is not None and (problem := demand_bound_problem(self, self.demand)):
+            raise ValueError(f"demand: {problem}")
+        return self
 
     def phase_demand(self) -> dict[LibPhase, float]:
         """Demand per library phase: tokens/s for prefill/decode, requests/s for aggregated.
@@ -168,6 +216,37 @@ class ModelSpec(BaseModel):
     def decode_context_tokens(self) -> float:
         """Mean context during decode: the prompt plus half the output."""
         return self.mean_prompt_tokens + self.mean_output_tokens / 2
+
+
+def demand_bound_problem(spec: ModelSpec, demand: Demand) -> str | None:
+    """Why `demand`, in the model's own units, is above the demand bounds; None if it is not.
+
+    A disaggregated model's requests/s become tokens/s per phase (times its mean lengths), an
+    aggregated model's tokens/s become requests/s (over them, the larger of the two), as
+    `solver.operations.demand_rules.phase_figures` converts them: each must stay within
+    `MAX_TOKENS_PER_S` or `MAX_REQUESTS_PER_S` like a figure written in those units.
+    """
+    rps, tokens = demand.requests_per_s, demand.tokens_per_s
+    if rps is not None and spec.serving != "aggregated":
+        for phase, mean in (
+            ("prompt", spec.mean_prompt_tokens),
+            ("output", spec.mean_output_tokens),
+        ):
+            if rps * mean > MAX_TOKENS_PER_S:
+                return (
+                    f"{rps:g} requests/s x {mean:g} mean {phase} tokens = {rps * mean:.3g} "
+                    f"{phase} tokens/s, above the {MAX_TOKENS_PER_S:.0e} tokens/s a demand may be"
+                )
+    if tokens is not None and spec.serving == "aggregated":
+        per_s = max(
+            tokens.prefill / spec.mean_prompt_tokens, tokens.decode / spec.mean_output_tokens
+        )
+        if per_s > MAX_REQUESTS_PER_S:
+            return (
+                f"its tokens/s over the mean request make {per_s:.3g} requests/s (the model is "
+                f"aggregated), above the {MAX_REQUESTS_PER_S:.0e} requests/s a demand may be"
+            )
+    return None
 
 
 class LibrarySettings(BaseModel):
@@ -198,7 +277,7 @@ class NodeAvailability(BaseModel):
     cloud: Literal["aws", "gcp"]
     region: str
     node: str
-    count: int = Field(ge=0)
+    count: int = Field(ge=0, le=MAX_NODES, description="Nodes; at most a million.")
 
 
 class GpuPool(BaseModel):
@@ -207,8 +286,8 @@ class GpuPool(BaseModel):
     model_config = FROZEN
     cloud: Literal["aws", "gcp"]
     region: str
-    gpu: str
-    gpus: int = Field(ge=0)
+    gpu: str = Field(description="GPU type id (`coral catalog show`), e.g. l4.")
+    gpus: int = Field(ge=0, le=MAX_NODES, description="GPUs; at most a million.")
 
 
 class PriceOverride(BaseModel):
@@ -218,7 +297,12 @@ class PriceOverride(BaseModel):
     cloud: Literal["aws", "gcp"]
     region: str
     node: str
-    usd_per_hour: float = Field(gt=0)
+    usd_per_hour: float = Field(
+        gt=0,
+        le=MAX_NODE_USD_PER_HOUR,
+        description="$/hour of one node; at most 10,000 (the dearest cloud GPU nodes rent for "
+        "about 100 $/hour).",
+    )
     source: str = Field(min_length=1, description="Where the price comes from, and when.")
 
 
@@ -232,16 +316,20 @@ class AllocationSettings(BaseModel):
     boot_minutes: float = Field(
         default=20,
         gt=0,
+        le=1440,
         description="Time a new instance needs to serve (boot, weights, CUDA graphs). It sets "
         "the start-up penalty K = boot_minutes / adjustment_interval_minutes, and the Pulumi "
         "program counts an instance ready only this long after it was first declared; until "
-        "then the instances it replaces keep serving (docs/deploy.md, safe reconfiguration).",
+        "then the instances it replaces keep serving (docs/deploy.md, safe reconfiguration). "
+        "At most a day (1440).",
     )
     adjustment_interval_minutes: float = Field(
         default=60,
-        gt=0,
+        ge=1,
+        le=10_080,
         description="How often the fleet is re-planned (the paper's 60 min); with boot_minutes "
-        "it sets K. The paper's K = 0.1 is boot_minutes 6 over 60 (Sec. 6.1).",
+        "it sets K. The paper's K = 0.1 is boot_minutes 6 over 60 (Sec. 6.1). From 1 minute "
+        "to a week (10080).",
     )
     add_only: bool = Field(
         default=False,
@@ -250,12 +338,18 @@ class AllocationSettings(BaseModel):
     )
     target_utilization: float = Field(
         default=1.0,
-        gt=0,
+        ge=0.01,
         le=1,
         description="Expert override: capacity = demand / this, on top of the capacity at the "
-        "models' SLO attainment targets (which is how headroom is bought; leave it at 1.0).",
+        "models' SLO attainment targets (which is how headroom is bought; leave it at 1.0). "
+        "At least 0.01 (100 times the demand).",
     )
-    budget_usd_per_hour: float | None = Field(default=None, gt=0)
+    budget_usd_per_hour: float | None = Field(
+        default=None,
+        gt=0,
+        le=MAX_BUDGET_USD_PER_HOUR,
+        description="Most the fleet may cost, $/hour (none: no limit); at most 1e9.",
+    )
     colocate_phases: bool = Field(
         default=True,
         description="A disaggregated model's prefill and decode instances share regions (KV "
@@ -264,9 +358,13 @@ class AllocationSettings(BaseModel):
     backend: Backend = Field(
         default="scip", description="SCIP: fastest of the three here (docs/allocation.md)."
     )
-    time_limit_s: float = Field(default=60, gt=0)
+    time_limit_s: float = Field(
+        default=60, gt=0, le=86_400, description="Per solve; a day at most."
+    )
     relative_gap: float = Field(default=0.01, ge=0, lt=1)
-    threads: int = Field(default=2, ge=1, description="CP-SAT workers (SCIP and HiGHS use 1).")
+    threads: int = Field(
+        default=2, ge=1, le=1024, description="CP-SAT workers (SCIP and HiGHS use 1)."
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -331,7 +429,9 @@ class PrometheusSource(BaseModel):
         pattern=r"^[1-9][0-9]*(s|m|h|d|w)$",
         description="rate() range, a Prometheus duration (e.g. 1h).",
     )
-    headroom: float = Field(default=1.2, ge=1, description="Measured tokens/s times this.")
+    headroom: float = Field(
+        default=1.2, ge=1, le=10, description="Measured tokens/s times this (1 to 10)."
+    )
     floor: Demand | None = Field(
         default=None, description="Least demand of every model (also when it has no samples)."
     )
@@ -423,59 +523,65 @@ class FleetConfig(BaseModel):
         """This fleet buying capacity for demand / u (None: unchanged), e.g. from an option."""
         if u is None:
             return self
-        if not 0 < u <= 1:
-            raise InputError("--target-utilization", f"must be in (0, 1], got {u}", "e.g. 0.7")
+        if not 0.01 <= u <= 1:  # also refuses nan
+            raise InputError("--target-utilization", f"must be in [0.01, 1], got {u}", "e.g. 0.7")
         allocation = self.allocation.model_copy(update={"target_utilization": u})
         return self.model_copy(update={"allocation": allocation})
 
     @model_validator(mode="after")
-    def _consistent(self) -> FleetConfig:
-        if len(set(self.node_configs)) != len(self.node_configs):
-            raise ValueError("node_configs lists a node config twice")
-        regions = {(r.cloud, r.region) for r in self.regions}
-        overrides: list[tuple[str, NodeAvailability | PriceOverride]] = [
-            *((f"availability[{i}]", a) for i, a in enumerate(self.availability)),
-            *((f"prices[{i}]", p) for i, p in enumerate(self.prices)),
-        ]
-        for where, item in overrides:
-            if (item.cloud, item.region) not in regions:
-                raise ValueError(f"{where}: region {item.cloud}:{item.region} is not in regions")
-            if item.node not in self.node_configs:
-                raise ValueError(f"{where}: node {item.node} is not in node_configs")
-        for i, pool in enumerate(self.gpu_pools):
-            if (pool.cloud, pool.region) not in regions:
-                raise ValueError(
-                    f"gpu_pools[{i}]: region {pool.cloud}:{pool.region} not in regions"
-                )
-        return self
+    def _lists_name_declared_things(self) -> FleetConfig:
+        # Here, so that every FleetConfig is checked. It raises an InputError, not a ValueError:
+        # pydantic passes that through with its key path and the closest names.
+        from solver.validation import check_lists  # it imports this module
 
-    @model_validator(mode="after")
-    def _demand_floors_name_models(self) -> FleetConfig:
-        prom = self.demand_source.prometheus
-        for model in prom.model_floors if prom else {}:
-            if model not in self.models:
-                raise ValueError(
-                    f"demand_source.prometheus.model_floors: model {model} is not in models"
-                )
+        check_lists(self)
         return self
 
 
 DEPLOY_KEY = "deploy"  # the Pulumi program's section of `coral:fleet` (coral_iac.deploy_settings)
 
 
-def fleet_object(config: dict[str, Any], source: str) -> dict[str, Any]:
+STACK_EXAMPLE = (
+    f"write `config: {{{FLEET_KEY}: {{models: ..., regions: ..., node_configs: ...}}}}` "
+    "(stacks/Pulumi.dev.yaml is a small example)"
+)
+
+
+def _kind(value: Any) -> str:
+    """A YAML value's kind in words: `a list`, `a string`, `empty`."""
+    if value is None:
+        return "empty"
+    names = {list: "a list", str: "a string", bool: "a boolean", int: "a number"}
+    return names.get(type(value), "a number" if isinstance(value, float) else "not a mapping")
+
+
+def fleet_object(config: Any, source: str) -> dict[str, Any]:
     """The `coral:fleet` object of a stack's `config` mapping.
 
     Raises:
-        InputError: no `coral:fleet` key, or it is not a mapping.
+        InputError: `config` is not a mapping, it has no `coral:fleet` key, or that is empty or
+            not a mapping.
     """
+    if not isinstance(config, dict):
+        raise InputError(f"{source}: config", f"is {_kind(config)}, not a mapping", STACK_EXAMPLE)
     if FLEET_KEY not in config:
         raise InputError(
             f"{source}: config", f"no '{FLEET_KEY}' key", f"add a '{FLEET_KEY}' object"
         )
     obj = config[FLEET_KEY]
+    if obj is None or obj == {}:
+        raise InputError(
+            f"{source}: {FLEET_KEY}",
+            "is empty",
+            "give it at least models, regions and node_configs (stacks/Pulumi.dev.yaml is a "
+            "small example)",
+        )
     if not isinstance(obj, dict):
-        raise InputError(f"{source}: {FLEET_KEY}", "is not a mapping", "give it keys: models, ...")
+        raise InputError(
+            f"{source}: {FLEET_KEY}",
+            f"is {_kind(obj)}, not a mapping",
+            "give it keys: models, regions, node_configs, ...",
+        )
     return obj
 
 
@@ -525,5 +631,21 @@ def load_stack(stacks_dir: Path, stack: str) -> FleetConfig:
         from solver.errors import unknown_value
 
         raise unknown_value("--stack", stack, known, "stack")
-    doc = read_yaml(path) or {}
-    return parse_fleet(doc.get("config") or {}, str(path), stacks_dir)
+    return parse_fleet(read_stack_config(path), str(path), stacks_dir)
+
+
+def read_stack_config(path: Path) -> dict[str, Any]:
+    """The `config` mapping of a stack file (`{}` when the file has no `config` key).
+
+    Raises:
+        InputError: as `read_yaml`; an empty file, or a file or `config` that is not a mapping.
+    """
+    doc = read_yaml(path)
+    if doc is None:
+        raise InputError(str(path), "the file is empty (no YAML, or only comments)", STACK_EXAMPLE)
+    if not isinstance(doc, dict):
+        raise InputError(str(path), f"is {_kind(doc)}, not a mapping", STACK_EXAMPLE)
+    config = doc.get("config") or {}
+    if not isinstance(config, dict):
+        raise InputError(f"{path}: config", f"is {_kind(config)}, not a mapping", STACK_EXAMPLE)
+    return config
