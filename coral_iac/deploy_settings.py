@@ -9,8 +9,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field, model_validator
 
-from solver.io import parse_model, read_yaml
-from solver.stack import DEPLOY_KEY, FLEET_KEY, fleet_object, stack_path
+from solver.io import parse_model
+from solver.stack import DEPLOY_KEY, FLEET_KEY, fleet_object, read_stack_config, stack_path
 from solver.types import FROZEN
 
 
@@ -163,5 +163,4 @@ def parse_deploy(config: dict[str, Any], source: str) -> DeploySettings:
 def load_deploy_settings(stacks_dir: Path, stack: str) -> DeploySettings:
     """`coral:fleet.deploy` of `stacks/Pulumi.<stack>.yaml`."""
     path = stack_path(stacks_dir, stack)
-    doc = read_yaml(path) or {}
-    return parse_deploy(doc.get("config") or {}, str(path))
+    return parse_deploy(read_stack_config(path), str(path))

@@ -110,16 +110,15 @@ def _ip(prefix: str, name: str) -> str:
 def stack_config(stacks_dir: Path, stack: str) -> dict[str, str]:
     """The stack file's config as the runtime holds it: structured values JSON-encoded."""
     from solver.errors import unknown_value
-    from solver.io import read_yaml
+    from solver.stack import read_stack_config
 
     path = stacks_dir / f"Pulumi.{stack}.yaml"
     if not path.exists():
         known = sorted(p.name[7:-5] for p in stacks_dir.glob("Pulumi.*.yaml"))
         raise unknown_value("--stack", stack, known, "stack")
-    doc = read_yaml(path) or {}  # duplicate keys and bad encodings are InputErrors (#18)
-    return {
-        k: v if isinstance(v, str) else json.dumps(v) for k, v in (doc.get("config") or {}).items()
-    }
+    # An empty file, or one that is not a mapping, is an InputError, as are duplicate keys.
+    config = read_stack_config(path)
+    return {k: v if isinstance(v, str) else json.dumps(v) for k, v in config.items()}
 
 
 @dataclass

@@ -58,11 +58,17 @@ class MarketSettings(BaseModel):
         description="catalog: solver/data/offers.yaml plus the stack's overrides; paper: Table 1.",
     )
     l4_usd_per_gpu_hour: float = Field(
-        default=L4_USD_PER_GPU_HOUR, gt=0, description="paper: $ per L4 GPU-hour (scale)."
+        default=L4_USD_PER_GPU_HOUR,
+        gt=0,
+        le=100,
+        description="paper: $ per L4 GPU-hour (scale; at most 100, over 100x Table 1's).",
     )
     source: str = Field(default=L4_SOURCE, min_length=1, description="Where the L4 price is from.")
     nodes_per_slot: int = Field(
-        default=AMPLE_NODES, ge=0, description="paper: nodes of each config per region."
+        default=AMPLE_NODES,
+        ge=0,
+        le=1_000_000,
+        description="paper: nodes of each config per region (at most a million).",
     )
 
     @model_validator(mode="before")

@@ -541,3 +541,17 @@ def test_an_empty_or_shapeless_stack_file_says_what_to_write(tmp_path, monkeypat
     out = plan_fails(project(tmp_path, text), monkeypatch)
     assert message in out
     assert "stacks/Pulumi.dev.yaml is a small example" in out
+
+
+@pytest.mark.parametrize(("text", "message"), [("", "the file is empty"), ("- a\n", "is a list")])
+@pytest.mark.parametrize("command", [["preview"], ["render", "--out", "rendered"]])
+def test_preview_and_render_refuse_a_stack_file_that_is_not_a_mapping(
+    tmp_path, monkeypatch, text, message, command
+):
+    """As `coral plan` does: one message naming the file (they crashed on an AttributeError or
+    Pulumi's 'Missing required configuration')."""
+    monkeypatch.chdir(project(tmp_path, text))
+    r = runner.invoke(app, [*command, "--stack", "dev"])
+    assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+    assert "Traceback" not in r.output and message in r.output and "Pulumi.dev.yaml" in r.output
+    assert not (tmp_path / "rendered").exists()
