@@ -288,7 +288,7 @@ def declare(
                 group=group,
                 # The files `hf download` fetches (coral_iac/data/model_files.yaml), the venv
                 # and the stack's headroom.
-                disk_gb=card_disk_gb(inst.model, card, deploy.disk_headroom_gb),
+                disk_gb=card_disk_gb(base_model(inst.model), card, deploy.disk_headroom_gb),
                 router_prefill_ips=router_ips,
                 subnet_id=subnet,
                 gcp_zones=zones,
