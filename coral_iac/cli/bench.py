@@ -8,10 +8,10 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 from rich.text import Text
 
 from coral_iac.cli.console import (
+    FittedTable,
     err,
     library_root,
     load_stack_named,
@@ -126,8 +126,8 @@ def bench(
     traces: Annotated[
         str,
         typer.Option(
-            help="azure: Azure-conversation/code models on the real 2023 traces (as coral "
-            "plan does); generated: on those shapes' lognormal stand-ins instead."
+            help="azure: the Azure conversation and code models on the real 2023 traces (as "
+            "coral plan does); generated: on those shapes' lognormal stand-ins instead."
         ),
     ] = "azure",
     target_utilization: Annotated[
@@ -135,7 +135,7 @@ def bench(
         typer.Option(
             min=0.05,
             max=1.0,
-            help="Expert override of allocation.target_utilization for every method.",
+            help="Expert override of the stacks' allocation target_utilization, for every method.",
         ),
     ] = None,
 ) -> None:
@@ -154,13 +154,13 @@ def bench(
 
     if traces not in ("azure", "generated"):
         raise InputError("--traces", f"unknown value '{traces}'", "use azure or generated")
-    perf = load_perf_model()
     rows: list[dict[str, Any]] = []
     with progress_bar() as bar:
         task = bar.add_task("bench", total=len(stacks) * len(modes or ["vllm", "general"]))
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
                 stack_fleet = resolve_demand(load_stack_named(name), name, stacks_dir(), warn)
+                perf = load_perf_model(cards=stack_fleet.model_cards)  # the stack's own models
                 fleet = with_target(
                     with_traces(
                         stack_fleet.with_mode(mode).with_target_utilization(target_utilization),
@@ -192,7 +192,7 @@ def bench(
                         )
                 bar.advance(task)
     out_dir.mkdir(parents=True, exist_ok=True)
-    table = Table(title="Coral vs baselines at equal SLO attainment targets")
+    table = FittedTable(title="Coral vs baselines at equal SLO attainment targets")
     cols = (
         "stack",
         "mode",

@@ -7,14 +7,17 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import signal
+import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any, TypeVar
 
 import typer
-from rich.console import Console
+from rich.cells import cell_len
+from rich.console import Console, ConsoleOptions, Group, RenderableType, RenderResult
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TimeElapsedColumn
 from rich.table import Table
 from rich.text import Text
@@ -64,6 +67,31 @@ def load_stack_named(stack: str) -> Any:
     return load_stack(folder, stack)
 
 
+def check_replaceable(path: Path) -> None:
+    """Refuse an output file coral must not write: a folder, a file in a folder it cannot
+    write, or a read-only file. A file with no write bit for anyone (chmod 444) is refused
+    even where the user could replace it (root, or the folder's owner): coral never swaps a
+    file marked read-only for a new one.
+
+    Raises:
+        InputError: naming the path, what is wrong and what to do.
+    """
+    if path.is_dir():
+        raise InputError(str(path), "is a folder", "give a file path, e.g. plan.json")
+    folder = path.parent if str(path.parent) else Path(".")
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(str(path), f"its folder {folder} is not writable", "give another path")
+    if not path.exists():
+        return
+    mode = path.stat().st_mode
+    if not os.access(path, os.W_OK) or not mode & 0o222:
+        raise InputError(
+            str(path),
+            f"is read-only ({stat.filemode(mode)}): coral does not replace it",
+            f"make it writable (chmod u+w {path}), or give another path",
+        )
+
+
 def reports_errors(fn: F) -> F:
     """Turn CoralError into a clean message on stderr and exit code 1 (no traceback); an
     interrupt into one line and 128 + the signal's number, as a shell reports it."""
@@ -90,8 +118,7 @@ def warn(line: str) -> None:
 
 
 def wrapping_table(title: str, columns: list[tuple[str, str]], rows: list[list[str]]) -> Table:
-    """A table whose cells wrap (fold) instead of ending in "..." on a narrow terminal or in a
-    CI log: an identifier (a region, a node config) may take two lines, never lose its end.
+    """A `FittedTable` filled in one call.
 
     Args:
         title: the table's title.
@@ -101,12 +128,105 @@ def wrapping_table(title: str, columns: list[tuple[str, str]], rows: list[list[s
     Returns:
         The table, ready for `out.print`.
     """
-    table = Table(title=title)
+    table = FittedTable(title=title)
     for header, justify in columns:
-        table.add_column(header, justify=justify, overflow="fold")  # type: ignore[arg-type]
+        table.add_column(header, justify=justify)
     for r in rows:
         table.add_row(*r)
     return table
+
+
+class FittedTable(Table):
+    """A table that never cuts a word: laid out at print time for the console's width (a
+    terminal, or COLUMNS in a CI log or a pipe).
+
+    Where every column fits on one line it prints as Rich would. Otherwise each column keeps
+    at least its longest word (an id such as `gcp:us-central1` or `l40sx1*3` stays whole), the
+    widest columns give up width first, and cells wrap at spaces. Where even that is too
+    wide, each row prints as lines of `column: value` instead (`_as_records`). A word longer
+    than the whole width folds onto the next line; nothing ends in "...".
+    """
+
+    def add_column(self, header: RenderableType = "", *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("overflow", "fold")
+        super().add_column(header, *args, **kwargs)
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        widths = fitted_widths(self, options.max_width)
+        if widths is None:
+            yield _as_records(self)
+            return
+        saved = [column.width for column in self.columns]
+        for column, width in zip(self.columns, widths, strict=True):
+            column.width = width if width is not None else column.width
+        try:
+            yield from super().__rich_console__(console, options)
+        finally:
+            for column, width in zip(self.columns, saved, strict=True):
+                column.width = width
+
+
+def fitted_widths(table: Table, width: int) -> list[int | None] | None:
+    """Content width per column so `table` fits in `width` with no word cut ([None, ...]:
+    it fits as it is), or None when even each column's longest word does not fit."""
+    columns = table.columns
+    texts = [[_plain(column.header), *map(_plain, column.cells)] for column in columns]
+    natural = [max(cell_len(line) for t in cells for line in t.split("\n")) for cells in texts]
+    floor = [max((cell_len(w) for t in cells for w in t.split()), default=1) for cells in texts]
+    room = width - _frame_width(table)
+    if sum(natural) <= room:
+        return [None] * len(columns)
+    if sum(floor) > room:
+        return None
+    widths = list(natural)
+    while sum(widths) > room:  # the widest column that may still shrink gives up one cell
+        i = max((k for k in range(len(widths)) if widths[k] > floor[k]), key=lambda k: widths[k])
+        widths[i] -= 1
+    return list(widths)
+
+
+def _frame_width(table: Table) -> int:
+    """Cells a table's borders and padding take (as `rich.table.Table` lays them out)."""
+    _, right, _, left = table.padding
+    n = len(table.columns)
+    padding = (left + right) * n - (0 if table.pad_edge else left + right)
+    lines = (n - 1 + (2 if table.show_edge else 0)) if table.box else 0
+    return padding + lines
+
+
+def _plain(cell: RenderableType) -> str:
+    if isinstance(cell, Text):
+        return cell.plain
+    return Text.from_markup(cell).plain if isinstance(cell, str) else str(cell)
+
+
+def _as_records(table: Table) -> Group:
+    """Each row as its first cell, then `column: value` lines: a table too wide for the
+    console even with every column at its longest word."""
+    headers = [_plain(column.header) for column in table.columns]
+    cells = [list(column.cells) for column in table.columns]
+    lines: list[Text] = []
+    if table.title:
+        lines.append(Text(_plain(table.title), style="table.title", overflow="fold"))
+    for row in zip(*cells, strict=True):
+        first = _text(row[0])
+        first.stylize("bold")
+        lines.append(first)
+        for header, cell in zip(headers[1:], row[1:], strict=True):
+            value = _text(cell)
+            if value.plain.strip() in ("", "-"):
+                continue
+            value = Text("; ").join(value.split("\n"))
+            lines.append(Text.assemble(f"  {header}: " if header else "  ", value))
+    for line in lines:
+        line.overflow = "fold"
+    return Group(*lines)
+
+
+def _text(cell: RenderableType) -> Text:
+    if isinstance(cell, Text):
+        return cell.copy()
+    return Text.from_markup(cell) if isinstance(cell, str) else Text(str(cell))
 
 
 def print_json(data: Any) -> None:

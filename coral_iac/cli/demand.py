@@ -5,9 +5,9 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from coral_iac.cli.console import (
+    FittedTable,
     err,
     load_stack_named,
     out,
@@ -69,7 +69,7 @@ def show(
             }
         )
         return
-    table = Table(title=f"Demand of stack {stack} (source: {report.kind})")
+    table = FittedTable(title=f"Demand of stack {stack} (source: {report.kind})")
     for col in ("model", "prefill tok/s", "decode tok/s", "requests/s", "origin", "detail"):
         table.add_column(col, justify="right" if "/s" in col else "left", overflow="fold")
     for r in rows:

@@ -11,9 +11,9 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
 from coral_iac.cli.console import (
+    FittedTable,
     err,
     library_root,
     out,
@@ -98,9 +98,16 @@ def preview(
                     for r in result.resources
                 ],
                 "quota": [
-                    {"cloud": q.cloud, "region": q.region, "quota": q.quota, "name": q.name,
-                     "unit": q.unit, "needed": q.needed,
-                     "during_replacement": q.during_replacement, "check": q.check}
+                    {
+                        "cloud": q.cloud,
+                        "region": q.region,
+                        "quota": q.quota,
+                        "name": q.name,
+                        "unit": q.unit,
+                        "needed": q.needed,
+                        "during_replacement": q.during_replacement,
+                        "check": q.check,
+                    }
                     for q in needs
                 ],  # fmt: skip
             }
@@ -122,7 +129,7 @@ def preview(
         machine = n.inputs.get("instanceType") or n.inputs.get("machineType")
         by_region.setdefault(region, []).append((replica, node, machine, n.name))
     for region, rows in sorted(by_region.items()):
-        table = Table(title=f"{region}: {len(rows)} GPU nodes")
+        table = FittedTable(title=f"{region}: {len(rows)} GPU nodes")
         for col in ("serving instance (replica key)", "node", "instance type"):
             table.add_column(col)
         for replica, node, machine, _ in sorted(rows):
@@ -136,9 +143,11 @@ def preview(
         "Shared resources: "
         + ", ".join(f"{t.split(':')[-1]} x{n}" for t, n in sorted(shared.items()))
     )
-    quota = Table(title="Quota the GPU nodes need (a launch past a quota fails)")
+    quota = FittedTable(title="Quota the GPU nodes need (a launch past a quota fails)")
     for col in ("region", "quota", "needed", "replacing every instance at once", "check with"):
-        quota.add_column(col, justify="right" if col.startswith(("needed", "replacing")) else "left")
+        quota.add_column(
+            col, justify="right" if col.startswith(("needed", "replacing")) else "left"
+        )
     for q in needs:
         quota.add_row(
             f"{q.cloud}:{q.region}",
@@ -176,9 +185,7 @@ def masked(value: Any) -> Any:
     """`value` with the value of every key that names a secret replaced by "[secret]" (a secret
     name such as `secretId` stays: it is not the secret)."""
     if isinstance(value, dict):
-        return {
-            k: "[secret]" if SECRET_KEY.search(str(k)) else masked(v) for k, v in value.items()
-        }
+        return {k: "[secret]" if SECRET_KEY.search(str(k)) else masked(v) for k, v in value.items()}
     if isinstance(value, list):
         return [masked(v) for v in value]
     return value

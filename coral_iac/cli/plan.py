@@ -6,9 +6,11 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
+from rich.text import Text
+from typer.core import TyperGroup
 
 from coral_iac.cli.console import (
+    check_replaceable,
     err,
     library_root,
     load_stack_named,
@@ -19,13 +21,35 @@ from coral_iac.cli.console import (
     stacks_dir,
     warn,
 )
+from coral_iac.cli.plan_output import REPLAY_TOLERANCE, diff_table, show_plan
 from coral_iac.deployable import unverified_placements
 
+
+class PlanGroup(TyperGroup):
+    """`coral plan` plans with --stack, and `coral plan diff OLD NEW` compares two plans: its
+    help says both, and marks --stack required. The parser cannot require it (`plan diff`
+    takes none), so a missing --stack is the InputError `plan` raises."""
+
+    def format_usage(self, ctx: Any, formatter: Any) -> None:
+        formatter.write_usage(ctx.command_path, "--stack NAME [OPTIONS]")
+        formatter.write_usage(ctx.command_path, "diff [OPTIONS] OLD NEW", prefix="       ")
+
+    def format_help(self, ctx: Any, formatter: Any) -> None:
+        stack = next(p for p in self.params if p.name == "stack")
+        stack.required = True
+        try:
+            super().format_help(ctx, formatter)
+        finally:
+            stack.required = False
+
+
 plan_app = typer.Typer(
-    help="Plan a stack: the cheapest template instances per region that meet demand.",
+    cls=PlanGroup,
+    help="Plan a stack: the cheapest template instances per region that meet demand. "
+    "docs/output.md explains every column of its tables and its closed-loop and solver lines.",
     invoke_without_command=True,
 )
-EXIT_SCARCE = 3
+EXIT_SCARCE = 3  # --strict and a shortfall, or a plan that serves none of the demand
 
 
 @plan_app.callback()
@@ -33,7 +57,8 @@ EXIT_SCARCE = 3
 def plan(
     ctx: typer.Context,
     stack: Annotated[
-        str | None, typer.Option(help="Stack name (stacks/Pulumi.<stack>.yaml).")
+        str | None,
+        typer.Option(metavar="NAME", help="Stack name (stacks/Pulumi.<NAME>.yaml)."),
     ] = None,
     baseline: Annotated[
         str | None,
@@ -88,8 +113,8 @@ def plan(
         raise InputError(
             "--add-only", f"the {baseline} baseline ignores the running plan", "drop one of the two"
         )
-    if out_file is not None and out_file.is_dir():  # before minutes of planning, not after
-        raise InputError(str(out_file), "is a folder", "give a file path, e.g. plan.json")
+    if out_file is not None:  # before minutes of planning, not after
+        check_replaceable(out_file)
     from solver.timing import timed
 
     with timed() as times:
@@ -105,6 +130,7 @@ def plan(
         from solver.io import write_atomic
 
         assert out_file is not None
+        check_replaceable(out_file)  # again: minutes may have passed
         write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
     unverified = unverified_placements(result)
     if as_json:
@@ -135,8 +161,21 @@ def plan(
             )
     if out_file is not None and not write:
         err.print(f"Left {out_file} as it was.")
+    if not result.serves_any():
+        err.print(Text.assemble(("Error:", "bold red"), " ", serves_nothing(result)))
+        raise typer.Exit(EXIT_SCARCE)
     if strict and failed:
         raise typer.Exit(EXIT_SCARCE)
+
+
+def serves_nothing(p: Any) -> str:
+    """Why a plan that serves none of the demand is no plan: the constraints that bound it."""
+    why = "; ".join(p.binding) or f"served {p.short_words()}"
+    return (
+        f"the plan serves none of the demand, so there is nothing to deploy ({why}).\n"
+        "  To fix: raise what binds (budget_usd_per_hour, availability, gpu_pools), or lower "
+        "demand or loosen the SLO (docs/allocation.md, Scarcity)"
+    )
 
 
 def phase_line(times: Any) -> str:
@@ -207,25 +246,57 @@ def make_plan(
 
 
 def load_plan(path: Path) -> Any:
-    from solver.errors import InputError
-    from solver.io import parse_model
-    from solver.plan.schema import Plan
+    """A plan.json written by `coral plan --out`.
 
-    if not path.exists():
-        raise InputError(
-            str(path), "no such plan file", "pass a plan.json written by `coral plan --out`"
-        )
+    Raises:
+        InputError: no such file, not JSON, or not a plan this coral reads: what the file
+            holds, against what a plan file is (a JSON object of the schema's plan format).
+    """
     import json
 
-    try:
-        from solver.io import read_text
+    from solver.errors import InputError
+    from solver.io import parse_model, read_text
+    from solver.plan.schema import Plan
 
+    fmt = Plan.model_fields["format"].default
+    fix = (
+        f"pass a plan.json written by `coral plan --out` (a JSON object of plan format {fmt}: "
+        '"format", "stack", "instances", "jobs", ...)'
+    )
+    if not path.exists():
+        raise InputError(str(path), "no such plan file", fix)
+    try:
         data = json.loads(read_text(path))
     except json.JSONDecodeError as e:
+        raise InputError(str(path), f"not JSON: {e}", fix) from e
+    if (found := _not_a_plan(data, fmt)) is not None:
+        raise InputError(str(path), f"is not a plan this coral reads: {found}", fix)
+    try:
+        return parse_model(Plan, data, str(path))
+    except InputError as e:
+        where = e.field.removeprefix(f"{path}: ")
         raise InputError(
-            str(path), f"not JSON: {e}", "pass a plan.json written by `coral plan --out`"
+            str(path), f"is not a plan this coral reads: {where}: {e.problem}", fix
         ) from e
-    return parse_model(Plan, data, str(path))
+
+
+def _not_a_plan(data: Any, fmt: int) -> str | None:
+    """What `data` (a parsed JSON file) holds where a plan file is expected, in words; None
+    when it looks like a plan of format `fmt` (the schema then checks every field)."""
+    if not isinstance(data, dict):
+        return f"it holds a JSON {type(data).__name__.replace('dict', 'object')}"
+    found = data.get("format", fmt)  # plans from before the format field are format 1
+    if found != fmt:
+        newer = isinstance(found, int) and found > fmt
+        return (
+            f"plan format {found!r} (this coral reads format {fmt}"
+            + ("; the file is from a newer coral: upgrade, or plan again with this one)"
+               if newer else "; plan again with this coral)")
+        )  # fmt: skip
+    if not {"stack", "instances", "jobs"} & data.keys():
+        keys = ", ".join(sorted(map(str, data))[:6]) or "none"
+        return f"none of a plan's keys (stack, instances, jobs); its keys: {keys}"
+    return None
 
 
 def show_deployable(problems: list[str]) -> None:
@@ -264,123 +335,6 @@ def plan_json(p: Any) -> dict[str, Any]:
     return data
 
 
-def show_plan(p: Any) -> None:
-    title = (
-        f"Plan {p.stack} ({p.method}, mode {p.mode}): {p.hourly_cost_usd:,.2f} $/hour, "
-        f"{len(p.instances)} instances, served "
-        + (f"{100 * p.served_fraction:.1f}%" if p.served_fraction >= 1 else p.short_words())
-    )
-    table = Table(title=title)
-    for col in (
-        "model",
-        "phase",
-        "instances",
-        "templates (region: count)",
-        "throughput / demand",
-        "$/hour",
-    ):
-        table.add_column(col, justify="right" if col in ("instances", "$/hour") else "left")
-    for job in p.jobs:
-        mine: dict[str, int] = {}
-        for i in p.instances:
-            if (i.model, i.phase) == (job.model, job.phase):
-                k = f"{i.cloud}:{i.region} {i.template}"
-                mine[k] = mine.get(k, 0) + 1
-        table.add_row(
-            job.model,
-            job.phase,
-            str(job.instances),
-            "\n".join(f"{k}: {n}" for k, n in sorted(mine.items())) or "-",
-            f"{job.throughput:,.0f} / {job.demand:,.0f} {job.unit}",
-            f"{job.usd_per_hour:,.2f}",
-        )
-    out.print(table)
-    if p.attainment:
-        out.print(attainment_table(p))
-    if p.routing:
-        out.print(routing_table(p))
-    if p.solver:
-        s = p.solver
-        bound = "no bound" if s.best_bound is None else f"bound {s.best_bound:,.2f}"
-        gap = "gap unknown" if s.gap is None else f"gap {100 * s.gap:.2f}%"
-        err.print(
-            f"Solver {s.backend}: {s.status}, objective {s.objective:,.2f} (incl. start-up penalty "
-            f"{p.startup_penalty_usd_per_hour:,.2f}), {bound}, {gap}, {s.solve_seconds:.2f} s"
-        )
-    for line in p.binding:
-        err.print(f"[yellow]Limited by:[/] {line}", highlight=False)
-    if p.closed_loop_stop:
-        err.print(f"SLO closed loop stopped: {p.closed_loop_stop}", highlight=False)
-
-
-REPLAY_TOLERANCE = 0.03  # verified vs whole-trace attainment: more apart than this is said
-
-
-def attainment_table(p: Any) -> Table:
-    """Per model: SLO attainment target, on the planning workload, verified on another, and on
-    the whole trace for a trace-backed model."""
-    table = Table(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
-    replayed = any(a.replayed is not None for a in p.attainment)
-    cols = ("model", "workload", "target", "planned", "verified", "whole trace", "headroom", "")
-    for col in cols:
-        if col == "whole trace" and not replayed:
-            continue
-        table.add_column(col, justify="left" if col in ("model", "workload", "") else "right")
-
-    def pct(x: float | None) -> str:
-        return "-" if x is None else f"{100 * x:.1f}%"
-
-    for a in p.attainment:
-        status = "[green]meets[/]" if a.verified is not None and not a.short_by else ""
-        if a.short_by:
-            status = f"[red]short {100 * a.short_by:.1f} pts[/]"
-        if "@" in a.model:  # a length bucket: its model as a whole is judged on its own row
-            status = "bucket" if not a.short_by else f"bucket, {100 * a.short_by:.1f} pts under"
-        cells = [
-            a.model,
-            a.workload,
-            pct(a.target),
-            pct(a.planned),
-            f"{pct(a.verified)} ({a.verified_minutes:g} min)",
-            *([pct(a.replayed)] if replayed else []),
-            " ".join(f"{ph} {k:g}" for ph, k in a.headroom.items()),
-            status,
-        ]
-        table.add_row(*cells)
-    return table
-
-
-def routing_table(p: Any) -> Table:
-    """Length routing per model that asks for it: the decision, both plans' cost (and verified
-    attainment), and each bucket: its prompt tokens, Content-Length bound, share and target."""
-    table = Table(title="Length routing (requests to buckets by prompt length)")
-    for col in ("model", "routed", "one pool $/h", "buckets $/h", "buckets", "why"):
-        table.add_column(col, justify="right" if "$" in col else "left")
-
-    def cost(usd: float | None, verified: float | None) -> str:
-        at = f" ({100 * verified:.1f}%)" if verified is not None else ""
-        return "-" if usd is None else f"{usd:,.2f}{at}"
-
-    def bucket(b: Any) -> str:
-        where = (
-            f"<={b.max_prompt_tokens:g} tok ({b.max_body_bytes} B)"
-            if b.max_prompt_tokens is not None
-            else f">{b.min_prompt_tokens:g} tok"
-        )
-        return f"{b.name.split('@')[1]}: {where}, {100 * b.share:.0f}%, target {100 * b.target:g}%"
-
-    for d in p.routing:
-        table.add_row(
-            d.model,
-            "yes" if d.routed else "no",
-            cost(d.one_pool_usd_per_hour, d.one_pool_verified),
-            cost(d.routed_usd_per_hour, d.routed_verified),
-            "\n".join(bucket(b) for b in d.buckets),
-            d.reason,
-        )
-    return table
-
-
 @plan_app.command("diff")
 @reports_errors
 def plan_diff(
@@ -396,19 +350,7 @@ def plan_diff(
     if as_json:
         print_json(diff)
         return
-    table = Table(title=f"{old} -> {new}: {diff['hourly_cost_delta_usd']:+,.2f} $/hour")
-    for col in ("model", "added", "removed", "$/hour before", "$/hour after", "change"):
-        table.add_column(col, justify="left" if col == "model" else "right")
-    for m, row in diff["by_model"].items():
-        table.add_row(
-            m,
-            str(row["added"]),
-            str(row["removed"]),
-            f"{row['before']:,.2f}",
-            f"{row['after']:,.2f}",
-            f"{row['after'] - row['before']:+,.2f}",
-        )
-    out.print(table)
+    out.print(diff_table(f"{old} -> {new}: {diff['hourly_cost_delta_usd']:+,.2f} $/hour", diff))
     for k in diff["added"]:
         out.print(f"[green]+ {k}[/]", highlight=False)
     for k in diff["removed"]:

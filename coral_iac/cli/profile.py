@@ -7,9 +7,8 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
-from rich.table import Table
 
-from coral_iac.cli.console import MeasuredOpt, err, out, print_json, reports_errors
+from coral_iac.cli.console import FittedTable, MeasuredOpt, err, out, print_json, reports_errors
 from solver.types import Phase
 
 profile_app = typer.Typer(
@@ -77,13 +76,17 @@ def profile_explain(
         out.print(f"{model} on {r['node']}: {r['ms_per_layer']:.3f} ms per layer from a measured "
                   "table, which has no components.")  # fmt: skip
         return
-    table = Table(
+    table = FittedTable(
         title=f"{model} on {r['node']}, {r['phase']} size {r['size']}, context {r['context']:g}, "
         f"TP {r['tp']}, runtime {runtime}"
     )
     for col in ("component", "ms per layer", "share", "bound by"):
         table.add_column(col, justify="left" if col in ("component", "bound by") else "right")
-    sides = {"gemm_ms": r["gemm_bound"], "attention_ms": r["attention_bound"], "elementwise_ms": "memory"}
+    sides = {
+        "gemm_ms": r["gemm_bound"],
+        "attention_ms": r["attention_bound"],
+        "elementwise_ms": "memory",
+    }
     for name, ms in r["components"].items():
         share = ms / r["ms_per_layer"] if r["ms_per_layer"] else 0.0
         table.add_row(name.removesuffix("_ms"), f"{ms:.4f}", f"{share:.0%}", sides.get(name, ""))
@@ -174,7 +177,7 @@ def profile_table(
     by_node: dict[str, list[Any]] = {}
     for e in entries:
         by_node.setdefault(e.node, []).append(e)
-    table = Table(
+    table = FittedTable(
         title=f"T̂ for {model} {phase}, budget {budget_ms:g} ms per stage "
         f"(tokens/s at j layers; * = measured table)"
     )

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated, Any, cast
 
 import typer
-from rich.table import Table
 
 from coral_iac.cli.console import (
+    FittedTable,
     library_root,
     load_stack_named,
     out,
@@ -79,7 +79,7 @@ def simulate_cmd(
     if as_json:
         print_json(summary)
         return
-    table = Table(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand")
+    table = FittedTable(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand")
     cols = ("model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms")
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
@@ -112,7 +112,9 @@ def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) 
     if as_json:
         print_json(rows)
         return
-    table = Table(title="Capacity per template: simulated at 1.5x its throughput vs the library")
+    table = FittedTable(
+        title="Capacity per template: simulated at 1.5x its throughput vs the library"
+    )
     cols = ("model", "phase", "template", "library", "simulated", "ratio")
     for col in cols:
         table.add_column(col, justify="left" if col in cols[:3] else "right")
@@ -146,7 +148,11 @@ def epochs_cmd(
     startup_minutes: Annotated[float, typer.Option(help="Time before a new node serves.")] = 6,
     library: Annotated[Path | None, typer.Option(help="Template-library folder.")] = None,
     target_utilization: Annotated[
-        float | None, typer.Option(help="Override allocation.target_utilization (headroom).")
+        float | None,
+        typer.Option(
+            help="Override the stack's allocation target_utilization (the share of each "
+            "instance's capacity a plan counts on)."
+        ),
     ] = None,
     cold_start: Annotated[
         bool, typer.Option(help="The first epoch's fleet boots too (default: already serving).")
@@ -185,7 +191,7 @@ def epochs_cmd(
     if as_json:
         print_json([asdict(r) for r in results])
         return
-    table = Table(title=f"{stack}: {len(results)} epochs of {epoch_minutes:g} min")
+    table = FittedTable(title=f"{stack}: {len(results)} epochs of {epoch_minutes:g} min")
     cols = (
         "epoch",
         "avail x",

@@ -6,9 +6,9 @@ from pathlib import Path
 from typing import Annotated, Any, TypedDict
 
 import typer
-from rich.table import Table
 
 from coral_iac.cli.console import (
+    FittedTable,
     MeasuredOpt,
     err,
     load_stack_named,
@@ -86,7 +86,7 @@ def templates_build(
         err.print(
             f"Skipped node configs no offer sells in this stack's regions: {', '.join(unsold)}"
         )
-    table = Table(title=f"Serving-template library: {stack}, mode {fleet.library.mode}")
+    table = FittedTable(title=f"Serving-template library: {stack}, mode {fleet.library.mode}")
     for col in ("model", "phase", "enumerated", "feasible", "dominated", "kept", "seconds"):
         table.add_column(col, justify="left" if col in ("model", "phase") else "right")
     jobs = [(m, ph) for m in fleet.models for ph in phases]
@@ -171,7 +171,7 @@ def templates_show(
     if as_json:
         print_json(rows)
         return
-    table = Table(title=f"Top {len(rows)} serving templates: {model} {phase}")
+    table = FittedTable(title=f"Top {len(rows)} serving templates: {model} {phase}")
     for col in ("nodes", "mode", "stages (layers)", "throughput", "$/hour", "region", "per $"):
         table.add_column(
             col, justify="right" if col in ("throughput", "$/hour", "per $") else "left"

@@ -170,6 +170,7 @@ def plan_to_target(
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
     best = (plan, planned, dict(headroom))
+    plan_round = best_round = loop.count - 1  # the rounds `plan` and `best` are (-1: none ran)
     stop = _initial_stop(plan, rounds)
     out_of_rounds = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
     while not stop and (short := loop.short(planned)):
@@ -187,13 +188,15 @@ def plan_to_target(
             break
         headroom, cut_plan = cut
         plan, planned, sims = loop.run(headroom, cut_plan)
+        plan_round = loop.count - 1
         if _closer(plan, planned, best, fleet):
-            best = (plan, planned, dict(headroom))
+            best, best_round = (plan, planned, dict(headroom)), plan_round
         if not plan.instances:
             stop = "a round served nothing"
     if not plan.instances or loop.short(planned):  # the round closest to every target
         if _closer(best[0], best[1], (plan, planned, headroom), fleet):
             plan, planned, headroom = best[0], best[1], dict(best[2])
+            plan_round = best_round
     kept: set[str] = set()  # models whose last give-back put a model below target
     while not stop and plan.instances and not loop.short(planned):  # give back spare headroom
         if rounds == 0:
@@ -208,13 +211,31 @@ def plan_to_target(
         more, candidate, model = given
         rounds -= 1
         relaxed, relaxed_planned, _ = loop.run(more, candidate)
-        if loop.short(relaxed_planned):
+        if below := loop.short(relaxed_planned):
             kept.add(model)  # keep the round before, and give back elsewhere
+            if loop.progress:
+                loop.progress(
+                    f"round {loop.count - 1} put {', '.join(sorted(below))} below target: "
+                    f"keeping round {plan_round}'s plan ({plan.hourly_cost_usd:,.2f} $/h)"
+                )
             continue
         plan, planned, headroom = relaxed, relaxed_planned, more
+        plan_round = loop.count - 1
     if loop.progress and stop:
-        loop.progress(f"stopped after round {loop.count - 1}: {stop}")
+        loop.progress(_stop_line(loop.count - 1, plan_round, plan, stop))
     return _verified(plan, fleet, perf, planned, headroom, root, stop, loop.progress, loop.sims)
+
+
+def _stop_line(last: int, kept: int, plan: Plan, stop: str) -> str:
+    """The loop's last progress line: why it stopped, and the round whose plan it keeps, with
+    that plan's cost (not always the last round printed: a round that missed a target, or
+    that was further from the targets than an earlier one, is dropped)."""
+    cost = f"{plan.hourly_cost_usd:,.2f} $/h"
+    if last < 0:
+        return f"no round run ({cost}): {stop}"
+    if kept == last:
+        return f"stopped after round {last} ({cost}): {stop}"
+    return f"stopped after round {last}, keeping round {kept}'s plan ({cost}): {stop}"
 
 
 BOOSTS = (1.0, 2.0, 4.0, 8.0)  # a cut that changes nothing doubles its floor, to MAX_STEP

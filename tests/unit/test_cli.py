@@ -471,3 +471,85 @@ def test_explain_agrees_with_layer_time_json():
     )
     assert r.exit_code == 0 and f"{data['ms_per_layer']:.4f}" in r.output
     assert f"{data['components']['comm_ms']:.4f}" in r.output
+
+
+def test_plan_help_shows_both_forms_and_stack_as_required():
+    r = runner.invoke(app, ["plan", "--help"], env={"COLUMNS": "100"}, prog_name="coral")
+    assert r.exit_code == 0, r.output
+    assert "Usage: coral plan --stack NAME [OPTIONS]" in r.output
+    assert "coral plan diff [OPTIONS] OLD NEW" in r.output
+    assert "COMMAND [ARGS]" not in r.output
+    stack_line = next(line for line in r.output.splitlines() if "│" in line and "--stack" in line)
+    assert "*" in stack_line and "[required]" in stack_line, stack_line
+    missing = run("plan")  # still our own error, not the parser's
+    assert missing.exit_code == 1 and "--stack: missing" in missing.output
+    assert "Traceback" not in missing.output and "Missing option" not in missing.output
+
+
+def _project(root: Path, budget_usd_per_hour: float | None = None) -> Path:
+    """A scratch project holding the dev stack (with another budget when given)."""
+    shutil.copy(REPO / "Pulumi.yaml", root / "Pulumi.yaml")
+    (root / "stacks").mkdir()
+    text = (REPO / "stacks" / "Pulumi.dev.yaml").read_text()
+    if budget_usd_per_hour is not None:
+        assert "budget_usd_per_hour: 10" in text
+        text = text.replace(
+            "budget_usd_per_hour: 10", f"budget_usd_per_hour: {budget_usd_per_hour}"
+        )
+    (root / "stacks" / "Pulumi.dev.yaml").write_text(text)
+    return root
+
+
+def test_a_plan_serving_nothing_exits_3_and_writes_nothing(tmp_path, monkeypatch):
+    monkeypatch.chdir(_project(tmp_path, budget_usd_per_hour=1))  # no instance costs under 1 $/h
+    out = tmp_path / "plan.json"
+    out.write_text("the running plan\n")
+    r = run("plan", "--stack", "dev", "--out", str(out))
+    assert r.exit_code == 3, r.output
+    assert "Error: the plan serves none of the demand" in r.output
+    assert "budget" in r.output  # the reason: the constraint that binds
+    assert out.read_text() == "the running plan\n"
+
+
+def test_a_read_only_out_file_is_refused_before_planning(tmp_path, monkeypatch):
+    """Refused for root too: the check is the file's write bits, not only os.access."""
+    monkeypatch.chdir(_project(tmp_path))
+    out = tmp_path / "plan.json"
+    out.write_text("keep me\n")
+    out.chmod(0o444)
+    r = run("plan", "--stack", "dev", "--out", str(out), "--library", str(tmp_path / "none"))
+    assert r.exit_code == 1, r.output
+    assert "is read-only (-r--r--r--)" in r.output and "chmod u+w" in r.output
+    assert not (tmp_path / "none").exists()  # refused before any library was built
+    assert out.read_text() == "keep me\n" and (out.stat().st_mode & 0o777) == 0o444
+
+
+@pytest.mark.parametrize(
+    ("content", "found"),
+    [
+        ("[1, 2]", "it holds a JSON list"),
+        (
+            '{"format": 2, "stack": "dev"}',
+            "plan format 2 (this coral reads format 1; the file is from a newer coral",
+        ),
+        (
+            '{"kind": "demand", "models": {}}',
+            "none of a plan's keys (stack, instances, jobs); its keys: kind, models",
+        ),
+        (
+            '{"stack": "dev", "instances": []}',
+            "is not a plan this coral reads: method: Field required",
+        ),
+    ],
+    ids=["not_an_object", "newer_format", "another_file", "a_field_missing"],
+)
+def test_previous_that_is_not_a_plan_says_what_a_plan_is(tmp_path, monkeypatch, content, found):
+    monkeypatch.chdir(REPO)
+    previous = tmp_path / "previous.json"
+    previous.write_text(content)
+    r = run("plan", "--stack", "dev", "--previous", str(previous))
+    assert r.exit_code == 1, r.output
+    text = " ".join(r.output.split())
+    assert found in text, text
+    assert "a plan.json written by `coral plan --out` (a JSON object of plan format 1" in text
+    assert "correct this field" not in text

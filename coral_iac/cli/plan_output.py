@@ -1,0 +1,160 @@
+"""What `coral plan` prints about a plan: its tables (stdout) and the solver's lines (stderr).
+
+docs/allocation.md ("Reading `coral plan`") explains every column.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from coral_iac.cli.console import FittedTable, err, out
+
+REPLAY_TOLERANCE = 0.03  # verified vs whole-trace attainment: more apart than this is said
+
+
+def show_plan(p: Any) -> None:
+    """The plan's tables, then the solver's objective and why the SLO closed loop stopped."""
+    out.print(plan_table(p))
+    if p.attainment:
+        out.print(attainment_table(p))
+    if p.routing:
+        out.print(routing_table(p))
+    if p.solver:
+        err.print(solver_line(p), highlight=False)
+    for line in p.binding:
+        err.print(f"[yellow]Limited by:[/] {line}", highlight=False)
+    if p.closed_loop_stop:
+        err.print(
+            f"SLO closed loop ended at {p.hourly_cost_usd:,.2f} $/h: {p.closed_loop_stop}",
+            highlight=False,
+        )
+
+
+def plan_table(p: Any) -> FittedTable:
+    """Per (model, phase): instances, templates per region, throughput against demand, $/h."""
+    title = (
+        f"Plan {p.stack} ({p.method}, mode {p.mode}): {p.hourly_cost_usd:,.2f} $/hour, "
+        f"{len(p.instances)} instances, served "
+        + (f"{100 * p.served_fraction:.1f}%" if p.served_fraction >= 1 else p.short_words())
+    )
+    table = FittedTable(title=title)
+    right = ("instances", "$/hour")
+    for col in (
+        "model",
+        "phase",
+        "instances",
+        "templates (region: count)",
+        "throughput / demand",
+        "$/hour",
+    ):
+        table.add_column(col, justify="right" if col in right else "left")
+    for job in p.jobs:
+        mine: dict[str, int] = {}
+        for i in p.instances:
+            if (i.model, i.phase) == (job.model, job.phase):
+                k = f"{i.cloud}:{i.region} {i.template}"
+                mine[k] = mine.get(k, 0) + 1
+        table.add_row(
+            job.model,
+            job.phase,
+            str(job.instances),
+            "\n".join(f"{k}: {n}" for k, n in sorted(mine.items())) or "-",
+            f"{job.throughput:,.0f} / {job.demand:,.0f} {job.unit}",
+            f"{job.usd_per_hour:,.2f}",
+        )
+    return table
+
+
+def solver_line(p: Any) -> str:
+    """The cost solve's status and objective, the objective split into the plan's $/hour and
+    the start-up penalty it adds (K x the $/hour of instances the running plan lacks)."""
+    s = p.solver
+    bound = "no bound" if s.best_bound is None else f"bound {s.best_bound:,.2f}"
+    gap = "gap unknown" if s.gap is None else f"gap {100 * s.gap:.2f}%"
+    # Both parts as printed, so the sum reads right to the cent.
+    objective, cost = round(s.objective, 2), round(p.hourly_cost_usd, 2)
+    return (
+        f"Solver {s.backend}: {s.status}, objective {objective:,.2f} = {cost:,.2f} $/h + "
+        f"{max(0.0, objective - cost):,.2f} start-up penalty (K x the $/h of new instances), "
+        f"{bound}, {gap}, {s.solve_seconds:.2f} s"
+    )
+
+
+def attainment_table(p: Any) -> FittedTable:
+    """Per model: SLO attainment target, on the planning workload, verified on another, and on
+    the whole trace for a trace-backed model; the closed loop's headroom per phase."""
+    table = FittedTable(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
+    replayed = any(a.replayed is not None for a in p.attainment)
+    cols = ("model / workload", "target", "planned", "verified", "whole trace", "headroom", "")
+    for col in cols:
+        if col == "whole trace" and not replayed:
+            continue
+        table.add_column(col, justify="left" if col in (cols[0], "headroom", "") else "right")
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    for a in p.attainment:
+        status = "[green]meets[/]" if a.verified is not None and not a.short_by else ""
+        if a.short_by:
+            status = f"[red]short {100 * a.short_by:.1f} pts[/]"
+        if "@" in a.model:  # a length bucket: its model as a whole is judged on its own row
+            status = "bucket" if not a.short_by else f"bucket, {100 * a.short_by:.1f} pts under"
+        table.add_row(
+            f"{a.model}\n{a.workload}",
+            pct(a.target),
+            pct(a.planned),
+            f"{pct(a.verified)} ({a.verified_minutes:g} min)",
+            *([pct(a.replayed)] if replayed else []),
+            "\n".join(f"{ph} {k:.2f}" for ph, k in a.headroom.items()) or "-",
+            status,
+        )
+    return table
+
+
+def routing_table(p: Any) -> FittedTable:
+    """Length routing per model that asks for it: the decision, both plans' cost (and verified
+    attainment), and each bucket: its prompt tokens, Content-Length bound, share and target."""
+    table = FittedTable(title="Length routing (requests to buckets by prompt length)")
+    for col in ("model", "routed", "one pool $/h", "buckets $/h", "buckets", "why"):
+        table.add_column(col, justify="right" if "$" in col else "left")
+
+    def cost(usd: float | None, verified: float | None) -> str:
+        at = f" ({100 * verified:.1f}%)" if verified is not None else ""
+        return "-" if usd is None else f"{usd:,.2f}{at}"
+
+    def bucket(b: Any) -> str:
+        where = (
+            f"<={b.max_prompt_tokens:g} tok ({b.max_body_bytes} B)"
+            if b.max_prompt_tokens is not None
+            else f">{b.min_prompt_tokens:g} tok"
+        )
+        return f"{b.name.split('@')[1]}: {where}, {100 * b.share:.0f}%, target {100 * b.target:g}%"
+
+    for d in p.routing:
+        table.add_row(
+            d.model,
+            "yes" if d.routed else "no",
+            cost(d.one_pool_usd_per_hour, d.one_pool_verified),
+            cost(d.routed_usd_per_hour, d.routed_verified),
+            "\n".join(bucket(b) for b in d.buckets),
+            d.reason,
+        )
+    return table
+
+
+def diff_table(title: str, diff: dict[str, Any]) -> FittedTable:
+    """`coral plan diff`: instances added and removed, and $/hour before and after, per model."""
+    table = FittedTable(title=title)
+    for col in ("model", "added", "removed", "$/hour before", "$/hour after", "change"):
+        table.add_column(col, justify="left" if col == "model" else "right")
+    for m, row in diff["by_model"].items():
+        table.add_row(
+            m,
+            str(row["added"]),
+            str(row["removed"]),
+            f"{row['before']:,.2f}",
+            f"{row['after']:,.2f}",
+            f"{row['after'] - row['before']:+,.2f}",
+        )
+    return table
