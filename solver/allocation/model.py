@@ -7,6 +7,7 @@ the served fractions phi[m]) and solves it within the stack's limits.
 from __future__ import annotations
 
 import math
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -150,18 +151,61 @@ class IlpModel:
         solver.SetTimeLimit(int(s.time_limit_s * 1000))
         params = pywraplp.MPSolverParameters()
         params.SetDoubleParam(params.RELATIVE_MIP_GAP, gap)
-        # SCIP and HiGHS run single-threaded (SCIP segfaulted with threads > 1).
+        # SCIP and HiGHS run single-threaded (SCIP segfaulted with threads > 1). Neither SCIP
+        # nor CP-SAT may catch Ctrl-C itself: each would end the solve as if its time limit
+        # hit and return a plan (`solve_interruptibly` stops it instead).
         if s.backend == "cp-sat":
             # Fixed seed and interleaved workers: the same inputs give the same plan.
             solver.SetSolverSpecificParametersAsString(
                 f"num_workers:{s.threads} interleave_search:true random_seed:0 "
-                f"relative_gap_limit:{gap}"
+                f"relative_gap_limit:{gap} catch_sigint_signal:false"
             )
-        if node_limit is not None and s.backend == "scip":
-            solver.SetSolverSpecificParametersAsString(f"limits/nodes = {node_limit}\n")
+        if s.backend == "scip":
+            nodes = f"limits/nodes = {node_limit}\n" if node_limit is not None else ""
+            solver.SetSolverSpecificParametersAsString(f"misc/catchctrlc = FALSE\n{nodes}")
         start = time.perf_counter()
-        status = solver.Solve(params)
+        status = solve_interruptibly(solver, params)
         return status, time.perf_counter() - start
+
+
+INTERRUPT_WAIT_S = 5.0  # how long Ctrl-C waits for an interrupted solve to return
+
+
+def solve_interruptibly(solver: pywraplp.Solver, params: pywraplp.MPSolverParameters) -> int:
+    """`solver.Solve(params)`, stopped at once by Ctrl-C.
+
+    Python raises KeyboardInterrupt only between bytecodes of the main thread, never inside
+    a C++ call, so a solve run there would finish first (seconds to its time limit). It runs in
+    a worker thread instead (pywraplp releases the GIL while it solves) while the main thread
+    waits; on Ctrl-C the main thread interrupts the solver (`InterruptSolve`), waits for it to
+    return, and re-raises, so no plan comes of an interrupted solve.
+
+    Returns:
+        The OR-Tools status.
+    """
+    done = threading.Event()
+    result: list[int] = []
+    failure: list[BaseException] = []
+
+    def run() -> None:
+        try:
+            result.append(solver.Solve(params))
+        except BaseException as exc:  # handed to the caller below
+            failure.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="ilp-solve", daemon=True).start()
+    try:
+        while not done.wait(0.1):
+            pass
+    except KeyboardInterrupt:
+        solver.InterruptSolve()
+        done.wait(INTERRUPT_WAIT_S)  # SCIP returns within milliseconds
+        raise
+    if failure:
+        raise failure[0]
+    return result[0]
 
 
 STATUS = {

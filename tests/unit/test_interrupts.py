@@ -1,5 +1,6 @@
 """SIGTERM and SIGINT during a process-pool library build end every worker, print no traceback,
-leave the previous files intact, and the next run works (issue #18)."""
+leave the previous files intact, and the next run works; Ctrl-C during an ILP solve stops it at
+once."""
 
 from __future__ import annotations
 
@@ -121,3 +122,66 @@ def test_a_signal_during_a_build_ends_every_worker(
     _, stderr = again.communicate(timeout=120)
     assert again.returncode == 0, stderr
     assert len(list(previous.parent.glob("*.json"))) > 1
+
+
+# Five market-split rows over 40 binaries (Cornuejols and Dawande's hard family): SCIP works
+# on them past any time limit a stack sets, so a Ctrl-C sent a second into the first solve of
+# `coral plan` lands inside SCIP. Added to every solver coral creates, beside coral's model.
+HARD_SOLVES = """
+import random
+from solver.allocation import model
+plain = model.new_solver
+def new_solver(backend):
+    solver = plain(backend)
+    rng = random.Random(7)
+    x = [solver.BoolVar(f"split[{i}]") for i in range(40)]
+    for _ in range(5):
+        a = [rng.randrange(100) for _ in x]
+        solver.Add(solver.Sum([c * v for c, v in zip(a, x)]) == sum(a) // 2)
+    return solver
+model.new_solver = new_solver
+from coral_iac.cli.app import app
+app(prog_name="coral")
+"""
+
+
+@pytest.mark.skipif(not CORAL.exists(), reason="needs the installed coral command")
+def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: Path) -> None:
+    """SCIP catches SIGINT itself by default and returns its best plan as if its time limit
+    hit: the run went on and wrote a plan. Ctrl-C must stop the solve, exit 130 and leave
+    --out alone."""
+    built = subprocess.run(
+        [str(CORAL), "templates", "build", "--stack", "dev", "--out", "lib"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    (project / "hard_solves.py").write_text(HARD_SOLVES)
+    command = ["plan", "--stack", "dev", "--library", "lib", "--out", "plan.json"]
+    proc = subprocess.Popen(
+        [sys.executable, "hard_solves.py", *command],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    assert proc.stderr is not None
+    seen = []
+    for line in proc.stderr:  # the capacity model, then the first ILP solve
+        seen.append(line)
+        if "capacity model:" in line:
+            break
+    assert proc.poll() is None, "".join(seen)
+    time.sleep(1.0)
+    os.killpg(proc.pid, signal.SIGINT)
+    sent = time.monotonic()
+    stdout, stderr = proc.communicate(timeout=120)
+    took = time.monotonic() - sent
+    assert proc.returncode == 130, stderr
+    assert took < 2.0, f"exited {took:.1f} s after Ctrl-C"
+    assert "Interrupted (SIGINT)." in stderr and "Traceback" not in stderr, stderr
+    assert "CTRL-C" not in stdout  # SCIP's own message would break --json
+    assert not (project / "plan.json").exists()
