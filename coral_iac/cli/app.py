@@ -15,7 +15,8 @@ from coral_iac.cli.simulate import register as register_simulate_command
 from coral_iac.cli.templates import templates_app
 
 app = typer.Typer(
-    help="Coral IaC: serve many LLMs on the cheapest mix of cloud GPUs.",
+    help="Coral IaC: serve many LLMs on the cheapest mix of cloud GPUs. docs/output.md explains "
+    "every column of the tables coral prints.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
