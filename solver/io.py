@@ -433,7 +433,8 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     """Write a file all at once: to a temporary file beside it, then renamed over it.
 
     A reader (or a crash, or Ctrl-C) sees the old file or the new one, never half of one; the
-    old file is untouched when writing fails. Missing parent folders are created.
+    old file is untouched when writing fails, and a replaced file keeps its mode. Missing parent
+    folders are created.
 
     Raises:
         InputError: the file or its folder cannot be written (e.g. `path` is a folder).
@@ -453,7 +454,9 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.chmod(tmp, 0o666 & ~_umask())
+        # A file replaced keeps its mode (a plan kept 0600 stays so); a new one gets the umask's.
+        mode = path.stat().st_mode & 0o7777 if path.is_file() else 0o666 & ~_umask()
+        os.chmod(tmp, mode)
         os.replace(tmp, path)
     except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)

@@ -299,6 +299,14 @@ def test_write_atomic_replaces_whole_or_not_at_all(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == ["plan.json"]  # no temporary left
 
 
+def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path):
+    path = tmp_path / "plan.json"
+    write_atomic(path, "old\n")
+    path.chmod(0o600)  # kept private by its owner
+    write_atomic(path, "new\n")
+    assert path.read_text() == "new\n" and oct(path.stat().st_mode & 0o777) == oct(0o600)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
