@@ -29,7 +29,7 @@ from solver.plan.slo_capacity import PhaseTarget, capacity_factors, prefill_budg
 from solver.simulation.simulator import engine_pass
 from solver.simulation.traces import WorkloadShape, generate_trace
 from solver.simulation.workload import Workload
-from solver.stack import ModelSpec, Slo
+from solver.stack import MAX_SLO_MS, ModelSpec, Slo
 from solver.templates.enumeration import RowSource, to_template, vllm_per_node
 from solver.templates.instance_model import InstanceModel
 from solver.templates.serving_template import ServingTemplate
@@ -60,7 +60,8 @@ class Case:
         the target within the TTFT budget it leaves to decode (its TPOT is not its own)."""
         if self.phase != "prefill":
             return self.slo, self.target
-        budget = Slo(prefill=prefill_budget_ms(self.slo), decode=math.inf)
+        # No TPOT of its own: the longest the stack schema allows, which no request reaches.
+        budget = Slo(prefill=prefill_budget_ms(self.slo), decode=MAX_SLO_MS)
         return budget, PhaseTarget.of("prefill", self.target).share
 
     @property

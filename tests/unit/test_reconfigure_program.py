@@ -101,7 +101,7 @@ def test_capacity_holds_over_up_down_and_shift(tmp_path, preview):
         for key, m in state.members.items():
             if m.instance.phase not in ("aggregated", "decode"):
                 continue
-            line = servers[slug(key)]
+            line = servers[server_name(key)]
             assert "disabled" not in line, line
             assert (" weight 0" in line) == (m.state == "draining"), line
         # A node that keeps serving is never replaced: its boot configuration is unchanged.
