@@ -22,6 +22,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -48,6 +49,7 @@ from solver.simulation.workload import (
     trace_of,
 )
 from solver.stack import FleetConfig, ModelSpec
+from solver.templates.executors import map_in_processes
 from solver.templates.instance_model import InstanceModel
 from solver.templates.library import Library
 from solver.templates.serving_template import ServingTemplate
@@ -70,35 +72,56 @@ def base_factors(
     libs: dict[Job, Library],
     root: Path | None = None,
     cache: Path | None = None,
+    workers: int = 1,
 ) -> dict[str, float]:
     """Template ref -> capacity factor at its model's target, from the capacity model.
 
     `cache`: a folder (the library's) where each job's factors are kept, keyed by the library's
     input hashes, the SLOs, the target and the planning workload, so an unchanged stack
-    reuses them (the model takes seconds on 56,000 templates).
+    reuses them (the model takes a minute on 56,000 templates). `workers`: processes that
+    share the jobs not cached, in chunks of templates (the factors are the same).
     """
-    out: dict[str, float] = {}
+    jobs: list[_CapacityJob] = []
     for i, (model, spec) in enumerate(sorted(fleet.models.items())):
         workload = planning_workload(spec, i, root)
-        for (m, phase), lib in sorted(libs.items()):
-            if m != model:
-                continue
-            f = _cached(cache, lib, spec, workload, perf)
-            for t, x in zip(lib.templates, f, strict=True):
-                out[template_ref(model, phase, t.key)] = round(float(x), 6)
+        jobs += [
+            _CapacityJob(lib, spec, workload, _cache_path(cache, lib, spec, workload))
+            for (m, _), lib in sorted(libs.items())
+            if m == model
+        ]
+    factors = [_load(job.path, len(job.lib.templates)) for job in jobs]
+    missing = [k for k, f in enumerate(factors) if f is None]
+    computed = _compute([jobs[k] for k in missing], perf, workers) if missing else []
+    for k, values in zip(missing, computed, strict=True):
+        factors[k] = values
+        if (path := jobs[k].path) is not None:
+            buffer = io.BytesIO()
+            np.save(buffer, values)
+            write_atomic(path, buffer.getvalue())
+    out: dict[str, float] = {}
+    for job, f in zip(jobs, factors, strict=True):
+        assert f is not None
+        for t, x in zip(job.lib.templates, f, strict=True):
+            out[template_ref(job.lib.model, job.lib.phase, t.key)] = round(float(x), 6)
     return out
 
 
-def _cached(
-    cache: Path | None,
-    lib: Library,
-    spec: ModelSpec,
-    workload: Workload,
-    perf: PerfModel,
-) -> np.ndarray:
-    """`_reachable_factors`, or its result saved under `cache` for the same inputs."""
+@dataclass(frozen=True)
+class _CapacityJob:
+    """One (model, phase)'s templates to model, and where its factors are kept."""
+
+    lib: Library
+    spec: ModelSpec
+    workload: Workload
+    path: Path | None
+
+
+def _cache_path(
+    cache: Path | None, lib: Library, spec: ModelSpec, workload: Workload
+) -> Path | None:
+    """Where a job's factors are kept under `cache`, keyed by every input of the model."""
     if cache is None:
-        return _reachable_factors(lib, spec, workload, perf)
+        return None
     key = digest(
         [
             CAPACITY_MODEL_VERSION,
@@ -110,19 +133,68 @@ def _cached(
             hashlib.sha256(workload.prompts.tobytes() + workload.outputs.tobytes()).hexdigest(),
         ]
     )
-    path = cache / "capacity" / f"{lib.model}__{lib.phase}__{key}.npy"
-    if path.exists():
-        try:
-            saved = np.load(path)
-            if saved.shape == (len(lib.templates),):
-                return np.asarray(saved, dtype=np.float64)
-        except (OSError, ValueError):
-            pass  # unreadable: computed again and rewritten below
-    values = _reachable_factors(lib, spec, workload, perf)
-    buffer = io.BytesIO()
-    np.save(buffer, values)
-    write_atomic(path, buffer.getvalue())
-    return values
+    return cache / "capacity" / f"{lib.model}__{lib.phase}__{key}.npy"
+
+
+def _load(path: Path | None, n: int) -> np.ndarray | None:
+    """Factors saved at `path` for `n` templates; None when absent or unreadable."""
+    if path is None or not path.exists():
+        return None
+    try:
+        saved = np.load(path)
+    except (OSError, ValueError):
+        return None  # unreadable: computed again and rewritten
+    return np.asarray(saved, dtype=np.float64) if saved.shape == (n,) else None
+
+
+PARALLEL_TEMPLATES = 2_000  # fewer templates to model than this: one process is faster
+CHUNK_TEMPLATES = 1_000  # templates per task in worker processes
+
+
+_JOBS: list[tuple[list[_CapacityJob], PerfModel]] = []  # what forked workers read
+
+
+def _compute(jobs: list[_CapacityJob], perf: PerfModel, workers: int) -> list[np.ndarray]:
+    """`_reachable_factors` of each job, in `workers` processes when it pays: each job's
+    templates at its target in chunks (a template's factor does not depend on the others);
+    a job none of whose templates reaches its target is done again whole, in this process."""
+    total = sum(len(j.lib.templates) for j in jobs)
+    if workers <= 1 or total < PARALLEL_TEMPLATES:
+        return [_reachable_factors(j.lib, j.spec, j.workload, perf) for j in jobs]
+    tasks = [
+        (k, start, min(start + CHUNK_TEMPLATES, len(j.lib.templates)))
+        for k, j in enumerate(jobs)
+        for start in range(0, len(j.lib.templates), CHUNK_TEMPLATES)
+    ]
+    _JOBS[:] = [(jobs, perf)]
+    try:
+        chunks = list(map_in_processes(_chunk_factors, tasks, workers))
+    finally:
+        _JOBS.clear()
+    out: list[list[np.ndarray]] = [[] for _ in jobs]
+    for (k, _, _), values in zip(tasks, chunks, strict=True):
+        out[k].append(values)
+    factors = [np.concatenate(parts) if parts else np.zeros(0) for parts in out]
+    return [
+        f
+        if f.max(initial=0.0) > 0 or not len(f)
+        else _reachable_factors(j.lib, j.spec, j.workload, perf)
+        for j, f in zip(jobs, factors, strict=True)
+    ]
+
+
+def _chunk_factors(k: int, start: int, stop: int) -> np.ndarray:
+    """In a worker: job `k`'s factors at its target for templates [start, stop)."""
+    jobs, perf = _JOBS[0]
+    job = jobs[k]
+    templates = job.lib.templates[start:stop]
+    return capacity_factors(
+        templates,
+        job.spec.slo_ms,
+        job.workload,
+        job.spec.slo_attainment,
+        lambda t: InstanceModel.serving(perf, t, job.spec),
+    )
 
 
 def _reachable_factors(

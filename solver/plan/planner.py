@@ -269,11 +269,13 @@ def plan_to_targets(
     on_round: Callable[[str], None] | None = None,
     cache: Path | None = None,
     simulations: Simulations | None = None,
+    workers: int = 1,
 ) -> Plan:
     """The method planned to the models' SLO attainment targets (the closed loop and the
     verification, `attainment.plan_to_target`). For Coral the loop also runs over single-config
     templates, and the better plan is kept (`better_at_target`). Both loops reuse each other's
-    simulations (and the caller's, given `simulations`)."""
+    simulations (and the caller's, given `simulations`). `workers`: processes for the capacity
+    model of templates not cached."""
     sims = simulations if simulations is not None else Simulations(perf, root)
 
     def solve_as(how: Method) -> Callable[[dict[str, float]], Plan]:
@@ -288,7 +290,7 @@ def plan_to_targets(
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
     with timing.phase("capacity model"):
-        base = base_factors(fleet, perf, libs, root, cache)  # once, for both searches below
+        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for both searches
     plan = plan_to_target(
         fleet, perf, libs, solve_as(method), root, on_round, base=base, simulations=sims
     )
@@ -381,7 +383,17 @@ def plan_with_library(
         loaded.update(libs)
 
         return plan_to_targets(
-            stack, planned_fleet, perf, libs, previous, method, root, on_round, directory, sims
+            stack,
+            planned_fleet,
+            perf,
+            libs,
+            previous,
+            method,
+            root,
+            on_round,
+            directory,
+            sims,
+            workers,
         )
 
     plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)

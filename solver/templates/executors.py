@@ -14,16 +14,17 @@ import ctypes
 import ctypes.util
 import importlib
 import inspect
+import multiprocessing
 import os
 import signal
 import sys
 import threading
 import time
-from collections.abc import Generator, Iterator
+from collections.abc import Callable, Generator, Iterator
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from types import FrameType
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from solver.errors import InputError
 from solver.performance.perf_model import PerfModel
@@ -37,6 +38,7 @@ from solver.templates.enumeration import (
 from solver.types import Job
 
 Executor = Literal["process", "ray"]
+R = TypeVar("R")
 CHUNK = 256  # multisets per task: large enough to amortise dispatch, small for a live bar
 
 
@@ -75,7 +77,7 @@ class Terminated(KeyboardInterrupt):
 
 # Running builds: a pool (None for Ray) and the generator that owns it. A signal ends their
 # workers, and closes a generator that is suspended (its `finally` then shuts the pool down).
-_LIVE: list[tuple[ProcessPoolExecutor | None, Generator[list[Candidate], None, None]]] = []
+_LIVE: list[tuple[ProcessPoolExecutor | None, Generator[Any, None, None]]] = []
 
 
 def _terminate_workers(pool: ProcessPoolExecutor) -> None:
@@ -118,9 +120,7 @@ def _ends_workers_on_signal() -> Iterator[None]:
             signal.signal(signum, handler)
 
 
-def _tracked(
-    pool: ProcessPoolExecutor | None, results: Generator[list[Candidate], None, None]
-) -> Iterator[list[Candidate]]:
+def _tracked(pool: ProcessPoolExecutor | None, results: Generator[R, None, None]) -> Iterator[R]:
     """`results`, registered for the signal handler while it runs."""
     entry = (pool, results)
     _LIVE.append(entry)
@@ -146,10 +146,14 @@ def _die_with_parent() -> None:
     _prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
-def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
+def _init_worker() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
+
+
+def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
+    _init_worker()
     _PLACER[:] = [_Placer(perf, fleet)]
 
 
@@ -177,16 +181,34 @@ def run_tasks(
         yield from (placer.place(job, chunk) for job, chunk in tasks)
     else:
         pool = ProcessPoolExecutor(workers, initializer=_init_process, initargs=(perf, fleet))
-        yield from _tracked(pool, _pool_results(pool, tasks))
+        yield from _tracked(pool, _pool_results(pool, _place_in_process, tasks))
+
+
+def map_in_processes(
+    fn: Callable[..., R], tasks: list[tuple[Any, ...]], workers: int
+) -> Iterator[R]:
+    """`fn(*task)` for every task, in `workers` forked processes, results in task order.
+
+    `fn` must be a module-level function; what it reads besides its arguments (large inputs
+    set in a module global before the first task) reaches the workers by fork, not by pickling.
+    Signals end the workers as for a library build (module doc).
+
+    Raises:
+        Terminated: SIGINT or SIGTERM arrived; every worker has ended.
+    """
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
+    )
+    yield from _tracked(pool, _pool_results(pool, fn, tasks))
 
 
 def _pool_results(
-    pool: ProcessPoolExecutor, tasks: list[tuple[Job, list[tuple[str, ...]]]]
-) -> Generator[list[Candidate], None, None]:
+    pool: ProcessPoolExecutor, fn: Callable[..., R], tasks: list[tuple[Any, ...]]
+) -> Generator[R, None, None]:
     """The pool's results in task order; its workers end with it, however it ends."""
     finished = False
     try:
-        yield from pool.map(_place_in_process, *zip(*tasks, strict=True))
+        yield from pool.map(fn, *zip(*tasks, strict=True))
         finished = True
     finally:
         if not finished:  # an error, a signal, or the consumer stopped early

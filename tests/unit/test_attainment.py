@@ -374,3 +374,20 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     traces, window = attainment._traces(fleet, "verify", 1_800, plan, REPO)
     fresh = real(plan, fleet, perf, traces, window)
     assert np.array_equal(fresh.models["phi-4"].met, first["phi-4"].met)
+
+
+def test_the_capacity_model_in_worker_processes_gives_the_same_factors(monkeypatch, tmp_path):
+    """The small fleet's jobs (prefill, decode) modelled in two forked processes, in chunks of
+    7 templates, give exactly the factors of one process, and the same ones are cached."""
+    from tests.allocation_helpers import fleet, libraries
+    from tests.allocation_helpers import perf as small_perf
+
+    small, libs, model = fleet(), libraries(), small_perf()
+    serial = attainment.base_factors(small, model, libs, REPO)
+    monkeypatch.setattr(attainment, "PARALLEL_TEMPLATES", 0)
+    monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
+    assert max(len(lib.templates) for lib in libs.values()) > 7  # more than one chunk
+    parallel = attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2)
+    assert parallel == serial
+    monkeypatch.setattr(attainment, "_compute", lambda *_: pytest.fail("not read from the cache"))
+    assert attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2) == serial
