@@ -349,18 +349,24 @@ def resolve(root: Path, mutation: Mutation) -> CoralError | None:
     return None
 
 
+def fuzz(examples: int) -> Any:
+    """Hypothesis settings of every test here: reproducible, no per-example deadline (the
+    bound is asserted), and a function-scoped project reused across examples on purpose."""
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+    )
+
+
 def test_the_base_stack_and_its_file_source_resolve(project: Path) -> None:
     """The control: the unmutated stack is valid, with either demand source."""
     assert resolve(project, Mutation("base", text_of(BASE))) is None
     assert resolve(project, Mutation("file source", with_file_source())) is None
 
 
-@settings(
-    max_examples=400,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@fuzz(400)
 @given(mutation=STACKS)
 def test_a_mutated_stack_resolves_or_is_one_clean_error(project: Path, mutation: Mutation) -> None:
     error = resolve(project, mutation)
@@ -407,12 +413,7 @@ def prometheus_stack(root: Path) -> None:
     write_project(root, Mutation("prometheus", text_of(doc)))
 
 
-@settings(
-    max_examples=200,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@fuzz(200)
 @given(answer=prometheus_body())
 def test_any_prometheus_answer_is_demand_or_one_clean_error(
     project: Path, answer: tuple[int, Any]
@@ -449,12 +450,7 @@ def cli(project: Path) -> Iterator[Path]:
         yield project
 
 
-@settings(
-    max_examples=40,
-    deadline=None,
-    derandomize=True,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@fuzz(40)
 @given(mutation=MUST_FAIL)
 def test_plan_on_a_bad_stack_exits_1_with_one_message(cli: Path, mutation: Mutation) -> None:
     write_project(cli, mutation)

@@ -15,7 +15,6 @@ import os
 import re
 import shutil
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -32,8 +31,13 @@ from coral_iac.gateway import (
     render_haproxy_config,
 )
 from tests.conftest import REPO
-from tests.unit.test_gateway import _files, make_plan, serving_keys
-from tests.unit.test_gateway_live import FakeVllm, _free_port, _wait_until_listening
+from tests.unit.test_gateway import _files
+from tests.unit.test_gateway_live import (
+    _free_port,
+    _wait_until_listening,
+    install_stand_in,
+    one_replica,
+)
 
 SECRET = "coral/api-key"
 
@@ -334,10 +338,7 @@ def test_haproxy_requires_the_key(tmp_path):
     no replica; the right one is routed."""
     haproxy = shutil.which("haproxy")
     assert haproxy, "haproxy is not installed: scripts/test installs it (scripts/debian_tools)"
-    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
-    (key,) = serving_keys(plan)
-    backend = FakeVllm("phi-4")
-    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    plan, key, backend = one_replica()
     port = _free_port()
     config = render_haproxy_config(
         gateway_upstreams(plan, {key: backend.address}), "live", port, 100, api_key=True
@@ -384,10 +385,7 @@ def test_a_new_key_is_accepted_before_the_old_one_goes_without_a_restart(tmp_pat
     before it was removed, and no replica ever sees a key (HAProxy strips it)."""
     haproxy = shutil.which("haproxy")
     assert haproxy, "haproxy is not installed: scripts/test installs it (scripts/debian_tools)"
-    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
-    (key,) = serving_keys(plan)
-    backend = FakeVllm("phi-4")
-    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    plan, key, backend = one_replica()
     port = _free_port()
     live, keys = tmp_path / "haproxy.cfg", tmp_path / "coral-api-keys"
 
@@ -412,11 +410,7 @@ def test_a_new_key_is_accepted_before_the_old_one_goes_without_a_restart(tmp_pat
         f'#!/bin/sh\ncase "$*" in\n  reload-or-restart*) [ ! -f {pidfile} ] || kill -USR2 "$(cat {pidfile})" ;;\n'
         "esac\n"
     )
-    (bin_dir / "install").write_text(
-        "#!/bin/sh\nargs=''\nwhile [ $# -gt 0 ]; do\n"
-        '  case "$1" in -o|-g) shift 2 ;; *) args="$args $1"; shift ;; esac\n'
-        f"done\nexec {shutil.which('install')} $args\n"
-    )
+    install_stand_in(bin_dir)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/bin"}

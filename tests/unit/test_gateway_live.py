@@ -149,6 +149,24 @@ class _Handler(BaseHTTPRequestHandler):
         )
 
 
+def one_replica() -> tuple[Any, str, FakeVllm]:
+    """A plan of one phi-4 replica, its key, and a FakeVllm serving it."""
+    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
+    (key,) = serving_keys(plan)
+    backend = FakeVllm("phi-4")
+    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    return plan, key, backend
+
+
+def install_stand_in(bin_dir: Path) -> None:
+    """An `install` in `bin_dir` that drops the owner flags (they need root)."""
+    (bin_dir / "install").write_text(
+        "#!/bin/sh\nargs=''\nwhile [ $# -gt 0 ]; do\n"
+        '  case "$1" in -o|-g) shift 2 ;; *) args="$args $1"; shift ;; esac\n'
+        f"done\nexec {shutil.which('install')} $args\n"
+    )
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -328,10 +346,7 @@ def test_the_sync_installs_the_certificate_and_the_gateway_serves_https_only(tmp
     """The rendered coral-gateway-sync with stand-ins for aws (the secrets and the parameter),
     systemctl and install's owner flags, its paths under tmp_path; then the real HAProxy on what
     it installed."""
-    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
-    (key,) = serving_keys(plan)
-    backend = FakeVllm("phi-4")
-    threading.Thread(target=backend.serve_forever, args=(0.05,), daemon=True).start()
+    plan, key, backend = one_replica()
     port = _free_port()
     paths = {
         "/etc/haproxy/haproxy.cfg": str(tmp_path / "haproxy.cfg"),
@@ -369,11 +384,7 @@ def test_the_sync_installs_the_certificate_and_the_gateway_serves_https_only(tmp
         "esac\n"
     )
     (bin_dir / "systemctl").write_text(f'#!/bin/sh\necho "$*" >> {calls}\nexit 0\n')
-    (bin_dir / "install").write_text(  # the owner flags need root; the rest is install's
-        "#!/bin/sh\nargs=''\nwhile [ $# -gt 0 ]; do\n"
-        '  case "$1" in -o|-g) shift 2 ;; *) args="$args $1"; shift ;; esac\n'
-        f"done\nexec {shutil.which('install')} $args\n"
-    )
+    install_stand_in(bin_dir)
     for f in bin_dir.iterdir():
         f.chmod(0o755)
     env = {"PATH": f"{bin_dir}:/usr/sbin:/usr/bin:/bin"}
