@@ -83,7 +83,9 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     doc["config"]["coral:fleet"]["attainment"] = {"rounds": 0}
     (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
     monkeypatch.setattr(
-        planner, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+        planner,
+        "base_factors",
+        lambda fleet, perf, libs, root=None, cache=None, workers=1: _ones(libs),
     )
     monkeypatch.chdir(root)
     old = root / "plan.json"
@@ -109,7 +111,9 @@ def test_the_program_refuses_a_plan_below_target_unless_the_stack_accepts_it(
     tmp_path, monkeypatch, preview
 ):
     monkeypatch.setattr(
-        planner, "base_factors", lambda fleet, perf, libs, root=None, cache=None: _ones(libs)
+        planner,
+        "base_factors",
+        lambda fleet, perf, libs, root=None, cache=None, workers=1: _ones(libs),
     )
     root = project(tmp_path)
     path = root / "stacks" / "Pulumi.s.yaml"
