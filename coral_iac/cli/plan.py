@@ -74,7 +74,9 @@ def plan(
             help="Template-library folder (default .coral/library/<stack>; built if missing or stale)."
         ),
     ] = None,
-    workers: Annotated[int, typer.Option(help="Worker processes for a library build.")] = 2,
+    workers: Annotated[
+        int, typer.Option(help="Worker processes for a library build and the capacity model.")
+    ] = 2,
     strict: Annotated[
         bool,
         typer.Option(
