@@ -50,6 +50,21 @@ _Model = IlpModel  # the name tests patch
 MOST_SERVED_NODES = 2_000
 
 
+# What to change when a solve ends without a plan, by its status.
+_NUMBERS_FIX = (
+    "the solver could not work with the model's numbers: look for extreme demand, prices or "
+    "budget in the stack (or try coral:fleet.allocation.backend: highs)"
+)
+FIXES = {
+    pywraplp.Solver.NOT_SOLVED: "raise coral:fleet.allocation.time_limit_s or use fewer node "
+    "configs",
+    pywraplp.Solver.INFEASIBLE: "a constraint no plan can meet: check the stack's availability, "
+    "gpu_pools and budget",
+    pywraplp.Solver.ABNORMAL: _NUMBERS_FIX,
+    pywraplp.Solver.MODEL_INVALID: _NUMBERS_FIX,
+}
+
+
 def _check(status: int, what: str, problem: Problem) -> None:
     """Return if the solve produced a plan.
 
@@ -60,7 +75,7 @@ def _check(status: int, what: str, problem: Problem) -> None:
     if status in (pywraplp.Solver.OPTIMAL, pywraplp.Solver.FEASIBLE):
         return
     words = STATUS.get(status, str(status))
-    fix = "raise coral:fleet.allocation.time_limit_s or use fewer node configs"
+    fix = FIXES.get(status, FIXES[pywraplp.Solver.NOT_SOLVED])
     if status == pywraplp.Solver.INFEASIBLE and problem.settings.add_only and problem.running:
         fix = (
             "the running plan no longer fits the stack's availability or budget, so it cannot "

@@ -672,3 +672,23 @@ def test_a_replan_starts_from_the_running_plan_while_it_still_serves_demand():
     assert {columns[i].running_key: n for i, n in plan.items()} == first.counts()
     doubled = {job: 2 * d for job, d in problem.demand.items()}
     assert running_plan(replace(problem, demand=doubled), 1.0) is None
+
+
+@pytest.mark.parametrize(
+    ("status", "fix"),
+    [("ABNORMAL", "extreme demand, prices or budget"), ("INFEASIBLE", "availability, gpu_pools")],
+)
+def test_a_solve_without_a_plan_suggests_what_its_status_calls_for(monkeypatch, status, fix):
+    """Not "raise time_limit_s" for every failure: that fix is for a solve out of time."""
+    from ortools.linear_solver import pywraplp
+
+    from solver.allocation import solve
+    from solver.errors import AllocationError
+
+    code = getattr(pywraplp.Solver, status)
+    monkeypatch.setattr(
+        solve._Model, "solve", lambda self, relative_gap=None, node_limit=None: (code, 0.0)
+    )
+    with pytest.raises(AllocationError) as exc:
+        plan_for(with_rps(3, 4))
+    assert fix in str(exc.value) and "time_limit_s" not in str(exc.value)
