@@ -265,7 +265,8 @@ def test_a_prefill_decode_pair_serves_through_its_router_and_the_gateway(tiny_mo
             if call("POST", f"{router_url}/v1/completions", body, timeout=60)[0] == 200:
                 break
         status, text = call("POST", f"{router_url}/v1/completions", body, timeout=120)
-        assert status == 200 and json.loads(text)["choices"][0]["text"], text
+        # Random weights may pick tokens that decode to nothing: count them instead.
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] > 0, text
         metrics = call("GET", f"{prefill_url}/metrics")[1]
         prompts = [line for line in metrics.splitlines()
                    if line.startswith("vllm:prompt_tokens_total")]  # fmt: skip
