@@ -8,6 +8,7 @@ import hashlib
 import json
 import math
 import os
+import stat
 import tempfile
 from importlib import resources
 from pathlib import Path
@@ -429,6 +430,31 @@ def digest(obj: Any) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def check_replaceable(path: Path) -> None:
+    """Refuse an output file coral must not write: a folder, a file in a folder it cannot
+    write, or a read-only file. A file with no write bit for anyone (chmod 444) is refused
+    even where the user could replace it (root, or the folder's owner): coral never swaps a
+    file marked read-only for a new one.
+
+    Raises:
+        InputError: naming the path, what is wrong and what to do.
+    """
+    if path.is_dir():
+        raise InputError(str(path), "is a folder", "give a file path, e.g. plan.json")
+    folder = path.parent if str(path.parent) else Path(".")
+    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
+        raise InputError(str(path), f"its folder {folder} is not writable", "give another path")
+    if not path.exists():
+        return
+    mode = path.stat().st_mode
+    if not os.access(path, os.W_OK) or not mode & 0o222:
+        raise InputError(
+            str(path),
+            f"is read-only ({stat.filemode(mode)}): coral does not replace it",
+            f"make it writable (chmod u+w {path}), or give another path",
+        )
+
+
 def write_atomic(path: Path, content: str | bytes) -> None:
     """Write a file all at once: to a temporary file beside it, then renamed over it.
 
@@ -437,11 +463,11 @@ def write_atomic(path: Path, content: str | bytes) -> None:
     folders are created.
 
     Raises:
-        InputError: the file or its folder cannot be written (e.g. `path` is a folder).
+        InputError: the file or its folder cannot be written (`check_replaceable`: a folder, a
+            read-only file).
     """
     data = content.encode("utf-8") if isinstance(content, str) else content
-    if path.is_dir():
-        raise InputError(str(path), "is a folder", "give a file path")
+    check_replaceable(path)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")

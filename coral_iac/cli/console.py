@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import signal
-import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -65,31 +63,6 @@ def load_stack_named(stack: str) -> Any:
             "run coral inside a Coral project (a folder with Pulumi.yaml and stacks/)",
         )
     return load_stack(folder, stack)
-
-
-def check_replaceable(path: Path) -> None:
-    """Refuse an output file coral must not write: a folder, a file in a folder it cannot
-    write, or a read-only file. A file with no write bit for anyone (chmod 444) is refused
-    even where the user could replace it (root, or the folder's owner): coral never swaps a
-    file marked read-only for a new one.
-
-    Raises:
-        InputError: naming the path, what is wrong and what to do.
-    """
-    if path.is_dir():
-        raise InputError(str(path), "is a folder", "give a file path, e.g. plan.json")
-    folder = path.parent if str(path.parent) else Path(".")
-    if folder.is_dir() and not os.access(folder, os.W_OK | os.X_OK):
-        raise InputError(str(path), f"its folder {folder} is not writable", "give another path")
-    if not path.exists():
-        return
-    mode = path.stat().st_mode
-    if not os.access(path, os.W_OK) or not mode & 0o222:
-        raise InputError(
-            str(path),
-            f"is read-only ({stat.filemode(mode)}): coral does not replace it",
-            f"make it writable (chmod u+w {path}), or give another path",
-        )
 
 
 def reports_errors(fn: F) -> F:

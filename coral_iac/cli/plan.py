@@ -10,7 +10,6 @@ from rich.text import Text
 from typer.core import TyperGroup
 
 from coral_iac.cli.console import (
-    check_replaceable,
     err,
     library_root,
     load_stack_named,
@@ -23,6 +22,7 @@ from coral_iac.cli.console import (
 )
 from coral_iac.cli.plan_output import REPLAY_TOLERANCE, diff_table, show_plan
 from coral_iac.deployable import unverified_placements
+from solver.io import check_replaceable, write_atomic
 
 
 class PlanGroup(TyperGroup):
@@ -129,11 +129,8 @@ def plan(
     # A zero-served plan, or one failing --strict, never replaces the running plan in --out.
     write = out_file is not None and not (strict and failed) and result.serves_any()
     if write:
-        from solver.io import write_atomic
-
         assert out_file is not None
-        check_replaceable(out_file)  # again: minutes may have passed
-        write_atomic(out_file, result.model_dump_json(indent=1) + "\n")
+        write_atomic(out_file, result.model_dump_json(indent=1) + "\n")  # checks it again
     unverified = unverified_placements(result)
     if as_json:
         extra = {"deploy_problems": problems, "unverified": unverified, "timings": times.table()}

@@ -307,6 +307,17 @@ def test_write_atomic_keeps_the_mode_of_the_file_it_replaces(tmp_path):
     assert path.read_text() == "new\n" and oct(path.stat().st_mode & 0o777) == oct(0o600)
 
 
+def test_write_atomic_never_replaces_a_read_only_file(tmp_path):
+    """Every writer (`coral plan --out`, `coral catalog import-skypilot --out`, `coral demand
+    refresh --write`, the caches) goes through it; root included (no write bit for anyone)."""
+    path = tmp_path / "offers.yaml"
+    write_atomic(path, "mine\n")
+    path.chmod(0o444)
+    with pytest.raises(InputError, match="is read-only"):
+        write_atomic(path, "new\n")
+    assert path.read_text() == "mine\n" and oct(path.stat().st_mode & 0o777) == oct(0o444)
+
+
 def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
