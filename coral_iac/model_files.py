@@ -113,13 +113,18 @@ def root_disk_gb(
 def card_disk_gb(
     model: str, card: ModelCard, headroom_gb: int, files: ModelFilesFile | None = None
 ) -> int:
-    """`root_disk_gb` for any card: a stack's own card sizes its files from the
-    `safetensors_bytes` it declares (or its weights x 1.1), a built-in one from this data file."""
+    """`root_disk_gb` for any card: a built-in one's files are in this data file, a stack's own
+    card brings them (the `safetensors_bytes` it declares, else the labelled estimate)."""
     files = files or load_model_files()
-    if not isinstance(card, UserModelCard):
-        return root_disk_gb(model, card.hf_repo, card.weight_bytes, headroom_gb, files)
-    if card.safetensors_bytes is None:
-        size = math.ceil(card.weight_bytes * ESTIMATE_FACTOR)
-    else:
-        size = card.safetensors_bytes + files.non_weight_allowance_bytes
-    return math.ceil(size / 1e9) + files.runtime_gb + headroom_gb
+    if isinstance(card, UserModelCard):
+        declared = card.safetensors_bytes
+        entry = ModelFiles(
+            hf_repo=card.hf_repo,
+            kind="estimate" if declared is None else "index_total_size",
+            safetensors_bytes=declared,
+            evidence="the stack's model_cards",
+            source=card.source,
+            retrieved=card.retrieved,
+        )
+        files = files.model_copy(update={"models": files.models | {model: entry}})
+    return root_disk_gb(model, card.hf_repo, card.weight_bytes, headroom_gb, files)
