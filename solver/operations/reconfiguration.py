@@ -153,6 +153,11 @@ def image_key(key: str, image: str) -> str:
     return f"{plan_key(key)}{IMAGE_SEP}{digest(image)[:8]}"
 
 
+def _without_peers(m: Member) -> str:
+    """A member's instance key as the plan names it this run: its id less a peers digest."""
+    return m.instance.key.split("~", 1)[0]
+
+
 def region_of(inst: Instance) -> str:
     return f"{inst.cloud}:{inst.region}"
 
@@ -193,31 +198,29 @@ def rollout_images(
     keys: dict[str, str] = {}
     images: dict[str, str] = {}
     for _, instances in sorted(jobs.items()):
+        # Per instance: its replicas on the target image, and the serving ones on another.
+        split: dict[str, tuple[list[Member], list[Member]]] = {}
+        for inst in instances:
+            want, own = target.get(region_of(inst)), by_key.get(inst.key, [])
+            split[inst.key] = (
+                [m for m in own if want is not None and image(m) == want],
+                [m for m in own if want is not None and image(m) != want and m.state != "draining"],
+            )
         # Replacements under way (an old replica and its successor both declared) count
         # against the share; the next ones start once those are done.
         budget = max(1, math.floor(share * len(instances)))
-        for inst in instances:
-            want = target.get(region_of(inst))
-            states = {(image(m), m.state) for m in by_key.get(inst.key, [])}
-            if (
-                want is not None
-                and any(i == want for i, _ in states)
-                and any(i != want and st != "draining" for i, st in states)
-            ):
-                budget -= 1
+        budget -= sum(1 for on_target, old in split.values() if on_target and old)
         for inst in sorted(instances, key=lambda i: i.key):
-            want = target.get(region_of(inst))
-            own = by_key.get(inst.key, [])
+            want, own = target.get(region_of(inst)), by_key.get(inst.key, [])
+            on_target, serving_old = split[inst.key]
             if want is None:
                 keys[inst.key] = inst.key
                 continue
-            on_target = [m for m in own if image(m) == want]
-            serving_old = [m for m in own if image(m) != want and m.state != "draining"]
             if on_target:
-                key, img = on_target[0].instance.key.split("~", 1)[0], want
+                key, img = _without_peers(on_target[0]), want
             elif serving_old and budget <= 0:
                 old = serving_old[0]
-                key, img = old.instance.key.split("~", 1)[0], image(old) or want
+                key, img = _without_peers(old), image(old) or want
             elif own:  # a successor (an old replica serves, or one drains under the plain key)
                 key, img = image_key(inst.key, want), want
                 budget -= 1 if serving_old else 0
