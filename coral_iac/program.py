@@ -232,8 +232,9 @@ def declare(
             disaggregated=spec.serving == "disaggregated",
             api_port=deploy.api_port,
             hf_token_secret=deploy.hf_token_secret,
-            # Behind a gateway the key is checked there alone (docs/gateway.md, "API key").
-            api_key_secret=deploy.api_key_secret if gateway is None else None,
+            # Behind a gateway the key is checked there alone (docs/gateway.md, "API key"); the
+            # nodes' identity may read it exactly when they check it.
+            api_key_secret=deploy.api_key_secret if infra.nodes_read_api_key else None,
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
