@@ -157,7 +157,7 @@ _JOBS: list[tuple[list[_CapacityJob], PerfModel]] = []  # what forked workers re
 def _compute(jobs: list[_CapacityJob], perf: PerfModel, workers: int) -> list[np.ndarray]:
     """`_reachable_factors` of each job, in `workers` processes when it pays: each job's
     templates at its target in chunks (a template's factor does not depend on the others);
-    a job none of whose templates reaches its target is done again whole, in this process."""
+    a job none of whose templates reaches its target goes on below it, in this process."""
     total = sum(len(j.lib.templates) for j in jobs)
     if workers <= 1 or total < PARALLEL_TEMPLATES:
         return [_reachable_factors(j.lib, j.spec, j.workload, perf) for j in jobs]
@@ -178,7 +178,7 @@ def _compute(jobs: list[_CapacityJob], perf: PerfModel, workers: int) -> list[np
     return [
         f
         if f.max(initial=0.0) > 0 or not len(f)
-        else _reachable_factors(j.lib, j.spec, j.workload, perf)
+        else _reachable_factors(j.lib, j.spec, j.workload, perf, below=True)
         for j, f in zip(jobs, factors, strict=True)
     ]
 
@@ -198,12 +198,13 @@ def _chunk_factors(k: int, start: int, stop: int) -> np.ndarray:
 
 
 def _reachable_factors(
-    lib: Library, spec: ModelSpec, workload: Workload, perf: PerfModel
+    lib: Library, spec: ModelSpec, workload: Workload, perf: PerfModel, below: bool = False
 ) -> np.ndarray:
     """Factors at the model's target or, when no template reaches it (prompts too long for
     the SLO on every template), at the highest target some template reaches, in steps of
     0.01; when none reaches any, a token UNREACHABLE_FACTOR for every template, so the plan
-    still serves and the verification reports the model short, with why."""
+    still serves and the verification reports the model short, with why. `below`: the
+    target is known to be out of reach (start one step under it)."""
     built: dict[str, InstanceModel] = {}  # each instance (and its chunk search) once
 
     def instance(t: ServingTemplate) -> InstanceModel:
@@ -211,7 +212,7 @@ def _reachable_factors(
             built[t.key] = InstanceModel.serving(perf, t, spec)
         return built[t.key]
 
-    target = spec.slo_attainment
+    target = round(spec.slo_attainment - 0.01, 3) if below else spec.slo_attainment
     while target > 0:
         f = capacity_factors(lib.templates, spec.slo_ms, workload, target, instance)
         if f.max(initial=0.0) > 0:

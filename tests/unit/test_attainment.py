@@ -395,3 +395,30 @@ def test_the_capacity_model_in_worker_processes_gives_the_same_factors(monkeypat
     assert parallel == serial
     monkeypatch.setattr(attainment, "_compute", lambda *_: pytest.fail("not read from the cache"))
     assert attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2) == serial
+
+
+def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(monkeypatch):
+    """Prefill SLOs cut to 30%: some job reaches its target on no template, and the worker
+    path continues below the target in this process, to the factors one process gives."""
+    import copy
+
+    from tests.allocation_helpers import SMALL_FLEET, fleet, libraries
+    from tests.allocation_helpers import perf as small_perf
+
+    models = copy.deepcopy(SMALL_FLEET["models"])
+    for spec in models.values():
+        spec["slo_ms"]["prefill"] *= 0.3
+    tight, libs, model = fleet(models=models), libraries(), small_perf()
+    serial = attainment.base_factors(tight, model, libs, REPO)
+    went_below: list[str] = []
+    reachable = attainment._reachable_factors
+
+    def spy(lib, spec, workload, perf, below=False):
+        went_below.extend([lib.model] if below else [])
+        return reachable(lib, spec, workload, perf, below)
+
+    monkeypatch.setattr(attainment, "_reachable_factors", spy)
+    monkeypatch.setattr(attainment, "PARALLEL_TEMPLATES", 0)
+    monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
+    assert attainment.base_factors(tight, model, libs, REPO, workers=2) == serial
+    assert went_below  # the fallback ran
