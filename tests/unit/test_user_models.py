@@ -14,7 +14,7 @@ from solver.catalog.model_cards import load_model_cards
 from solver.catalog.user_models import card_fields
 from solver.errors import InputError
 from solver.stack import load_stack
-from tests.conftest import REPO
+from tests.conftest import REPO, committed_stacks
 
 # The architecture keys of the published config.json files the built-in cards were read from
 # (solver/data/models.yaml names each source): a reader of config.json must give those cards.
@@ -161,3 +161,13 @@ def test_the_program_renders_nodes_that_download_the_stacks_model(tmp_path, prev
             assert "my-org/my-phi" in node.inputs["userData"]
         disks[name] = {n.inputs["rootBlockDevice"]["volumeSize"] for n in serving}
     assert max(disks["declared"]) < min(disks["estimate"])
+
+
+@pytest.mark.parametrize("stack", committed_stacks())
+def test_catalog_models_lists_the_built_in_cards_for_every_committed_stack(stack, monkeypatch):
+    monkeypatch.chdir(REPO)
+    r = CliRunner().invoke(app, ["catalog", "models", "--stack", stack, "--json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert {row["id"] for row in rows} == set(load_model_cards())
+    assert {row["card"] for row in rows} == {"built-in"}
