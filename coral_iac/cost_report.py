@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from solver.operations.reconfiguration import FleetState
-from solver.plan.schema import Plan, diff_plans
+from solver.plan_schema import Plan, diff_plans
 
 if TYPE_CHECKING:
     from coral_iac.gateway_cost import GatewayCost

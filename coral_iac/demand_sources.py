@@ -2,9 +2,10 @@
 
 `resolve_demand(fleet, stack, stacks_dir)` is what `coral plan` and the Pulumi program call: it
 reads the stack's `demand_source` and returns the fleet with each model's demand replaced by the
-source's figures. The pure rules (headroom, floors, fallbacks) are in `solver/demand.py`; this
-module only reads files and asks Prometheus's HTTP API (`GET /api/v1/query`, an instant query)
-for `rate()` of vLLM's counters `vllm:prompt_tokens_total` and `vllm:generation_tokens_total`.
+source's figures. The pure rules (headroom, floors, fallbacks) are in
+`solver/operations/demand_rules.py`; this module only reads files and asks Prometheus's HTTP API
+(`GET /api/v1/query`, an instant query) for `rate()` of vLLM's counters
+`vllm:prompt_tokens_total` and `vllm:generation_tokens_total`.
 """
 
 from __future__ import annotations

@@ -5,7 +5,7 @@ has not been seen to serve (`unverified_placements`)."""
 from __future__ import annotations
 
 from solver.catalog.offers import Catalog
-from solver.plan.schema import Plan, template_ref
+from solver.plan_schema import Plan, template_ref
 from solver.stack import FleetConfig
 
 

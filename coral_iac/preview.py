@@ -19,7 +19,7 @@ import pulumi
 
 from coral_iac import program
 from coral_iac.program import ProgramOptions
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 
 PROJECT = "coral"  # Pulumi.yaml's name: the config namespace
 

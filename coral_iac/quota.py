@@ -19,7 +19,7 @@ import re
 from dataclasses import dataclass
 
 from solver.catalog.offers import Catalog
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 
 AWS_CLASSES = {
     "g": ("L-DB2E81BA", "Running On-Demand G and VT instances"),

@@ -54,8 +54,8 @@ from solver.performance.perf_model import PerfModel
 from solver.plan.attainment import plan_to_target
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.planner import _at_capacity, libraries_for, plan_stack
-from solver.plan.schema import Method, Plan, template_ref
 from solver.plan.validator import validate_plan
+from solver.plan_schema import Method, Plan, template_ref
 from solver.stack import FleetConfig, GpuPool, load_stack
 from solver.templates.library import Library
 from solver.types import Job

@@ -56,8 +56,8 @@ from solver.plan.attainment import (  # noqa: E402
     simulate_workload,
 )
 from solver.plan.planner import plan_stack  # noqa: E402
-from solver.plan.schema import Method, Plan  # noqa: E402
 from solver.plan.slo_capacity import capacity_factors  # noqa: E402
+from solver.plan_schema import Method, Plan  # noqa: E402
 from solver.simulation.workload import planning_workload  # noqa: E402
 from solver.stack import FleetConfig  # noqa: E402
 from solver.types import Job  # noqa: E402

@@ -43,7 +43,8 @@ from solver.performance.default_model import load_perf_model  # noqa: E402
 from solver.performance.perf_model import PerfModel  # noqa: E402
 from solver.plan.planner import libraries_for  # noqa: E402
 from solver.stack import FleetConfig, load_stack  # noqa: E402
-from solver.templates.enumeration import RowSource, best_candidate, to_template  # noqa: E402
+from solver.templates.candidates import RowSource  # noqa: E402
+from solver.templates.enumeration import best_candidate, to_template  # noqa: E402
 from solver.templates.serving_template import ServingTemplate  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

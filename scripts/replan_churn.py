@@ -20,8 +20,8 @@ from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.demand import stack_demand
 from solver.plan.planner import libraries_for, plan_stack
-from solver.plan.schema import Plan, diff_plans
 from solver.plan.validator import validate_plan
+from solver.plan_schema import Plan, diff_plans
 from solver.stack import FleetConfig, load_stack
 
 ROOT = Path(__file__).resolve().parents[1]

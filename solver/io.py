@@ -1,4 +1,16 @@
-"""The only module in `solver/` that reads files: YAML and CSV loaders with field-naming errors."""
+"""Reading and writing files for every stage, with errors that name the file and the field.
+
+`read_yaml` / `parse_yaml` (alias bombs refused before they expand), `load_yaml_model` and
+`parse_model` (a pydantic model with key-path errors and number bounds), `read_text`,
+`read_two_column_csv` (measured tables), `data_path` (the shipped `solver/data/`), `digest`,
+and `write_atomic` / `check_replaceable` (a file is replaced whole, never a read-only one).
+Most of `solver/` reads its YAML and text through here. Formats of their own are read where
+they are defined: library files (`templates/library.py`, the format in `library_format.py`),
+the capacity cache (`plan/attainment.py`), trace CSVs (`simulation/traces.py`), and Vidur's and
+Helix's measurement files (`performance/vidur.py`, `kernel_fit.py`, `operator_tables.py`,
+`calibration.py`); the profiler writes its own tables (`performance/profiler/`). Nothing reads
+a file at import time.
+"""
 
 from __future__ import annotations
 

@@ -12,14 +12,15 @@ The `deploy` section of the same object belongs to the Pulumi program: the solve
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, Field, model_validator
 
-from solver.catalog.paper_market import MarketSettings
+from solver.catalog.market_settings import MarketSettings
 from solver.catalog.user_models import UserModelCard, resolve_entry
-from solver.errors import InputError
+from solver.errors import InputError, unknown_value
 from solver.io import parse_model, read_yaml
 from solver.types import BUCKET_SEP, FROZEN, LibPhase, Mode
 
@@ -532,10 +533,88 @@ class FleetConfig(BaseModel):
     def _lists_name_declared_things(self) -> FleetConfig:
         # Here, so that every FleetConfig is checked. It raises an InputError, not a ValueError:
         # pydantic passes that through with its key path and the closest names.
-        from solver.validation import check_lists  # it imports this module
-
         check_lists(self)
         return self
+
+
+T = TypeVar("T")
+
+
+def check_lists(fleet: FleetConfig) -> None:
+    """Each list of the fleet names things once, and only things the fleet declares: the
+    overrides' regions are in `regions`, their nodes in `node_configs`, the demand floors'
+    models in `models` (GPU types are checked against the catalog in
+    `solver.validation.check_gpu_pools`); and each model's demand floor is within the demand
+    bounds. Run by `FleetConfig` itself.
+
+    Raises:
+        InputError: naming the key path, with the closest declared names.
+    """
+    regions = [f"{r.cloud}:{r.region}" for r in fleet.regions]
+    _once("node_configs", fleet.node_configs, str)
+    _once("regions", fleet.regions, lambda r: f"{r.cloud}:{r.region}")
+    overrides: list[tuple[str, Sequence[NodeAvailability | PriceOverride]]] = [
+        ("availability", fleet.availability),
+        ("prices", fleet.prices),
+    ]
+    for key, items in overrides:
+        for i, item in enumerate(items):
+            where = f"{FLEET_KEY}.{key}[{i}]"
+            _declared(f"{where}.region", f"{item.cloud}:{item.region}", regions, "regions")
+            _declared(f"{where}.node", item.node, fleet.node_configs, "node_configs")
+        _once(key, items, lambda x: f"{x.cloud}:{x.region} {x.node}")
+    for i, pool in enumerate(fleet.gpu_pools):
+        region = f"{pool.cloud}:{pool.region}"
+        _declared(f"{FLEET_KEY}.gpu_pools[{i}].region", region, regions, "regions")
+    _once("gpu_pools", fleet.gpu_pools, lambda p: f"{p.cloud}:{p.region} {p.gpu}")
+    prom = fleet.demand_source.prometheus
+    for model in prom.model_floors if prom else {}:
+        where = f"{FLEET_KEY}.demand_source.prometheus.model_floors.{model}"
+        _declared(where, model, list(fleet.models), "models")
+    _check_floors(fleet)
+
+
+def _check_floors(fleet: FleetConfig) -> None:
+    """Each model's Prometheus floor, in the model's units, is within the demand bounds."""
+    prom = fleet.demand_source.prometheus
+    if prom is None:
+        return
+    for model, spec in fleet.models.items():
+        key = f"model_floors.{model}" if model in prom.model_floors else "floor"
+        floor = prom.model_floors.get(model, prom.floor)
+        if floor is not None and (problem := demand_bound_problem(spec, floor)):
+            raise InputError(
+                f"{FLEET_KEY}.demand_source.prometheus.{key}",
+                f"for {model}: {problem}",
+                "lower the floor",
+            )
+
+
+_KIND = {"regions": "region", "node_configs": "node", "models": "model"}
+
+
+def _declared(field: str, name: str, declared: list[str], key: str) -> None:
+    if name in declared:
+        return
+    close = unknown_value(field, name, declared, _KIND[key]).suggestions
+    raise InputError(
+        field,
+        f"{_KIND[key]} {name} is not in {key}",
+        f"use one of {key} ({', '.join(declared)}), or add it to {key}",
+        close,
+    )
+
+
+def _once(key: str, items: Sequence[T], name: Callable[[T], str]) -> None:
+    first: dict[str, int] = {}
+    for i, item in enumerate(items):
+        if (n := name(item)) in first:
+            raise InputError(
+                f"{FLEET_KEY}.{key}[{i}]",
+                f"{n} is given twice ({key}[{first[n]}] and {key}[{i}])",
+                "keep one: a repeat is ignored or overrides the first without a word",
+            )
+        first[n] = i
 
 
 DEPLOY_KEY = "deploy"  # the Pulumi program's section of `coral:fleet` (coral_iac.deploy_settings)
@@ -628,8 +707,6 @@ def load_stack(stacks_dir: Path, stack: str) -> FleetConfig:
         known = sorted(
             p.name[len("Pulumi.") : -len(".yaml")] for p in stacks_dir.glob("Pulumi.*.yaml")
         )
-        from solver.errors import unknown_value
-
         raise unknown_value("--stack", stack, known, "stack")
     return parse_fleet(read_stack_config(path), str(path), stacks_dir)
 

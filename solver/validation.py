@@ -1,29 +1,22 @@
-"""Checks of user input that need more than one field or file: stack names, the stack's lists,
-the stack against the catalog and the model cards."""
+"""Checks of user input that need more than one field or file: stack names, the stack against
+the catalog and the model cards. (The stack's own lists are checked by `FleetConfig` itself:
+`solver.stack.check_lists`.)"""
 
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
-from typing import TypeVar
+from collections.abc import Mapping
 
 from solver.catalog.market import build_market, check_something_available
 from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import InputError, unknown_value
-from solver.stack import (
-    FLEET_KEY,
-    FleetConfig,
-    NodeAvailability,
-    PriceOverride,
-    demand_bound_problem,
-)
+from solver.stack import FleetConfig
 
 # What `pulumi stack init` accepts for a stack's own name (no org/project prefix): letters,
 # digits, '-', '_' and '.', at most 100 characters.
 STACK_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,100}$")
 STACK_NAME_MAX = 100
-T = TypeVar("T")
 
 
 def check_stack_name(name: str, field: str = "--stack") -> str:
@@ -54,82 +47,6 @@ def check_stack_name(name: str, field: str = "--stack") -> str:
         problem,
         "use letters, digits, '-', '_' and '.', at most 100 characters (e.g. dev)",
     )
-
-
-def check_lists(fleet: FleetConfig) -> None:
-    """Each list of the fleet names things once, and only things the fleet declares: the
-    overrides' regions are in `regions`, their nodes in `node_configs`, the demand floors'
-    models in `models` (GPU types are checked against the catalog in `check_gpu_pools`); and
-    each model's demand floor is within the demand bounds. Run by `FleetConfig` itself.
-
-    Raises:
-        InputError: naming the key path, with the closest declared names.
-    """
-    regions = [f"{r.cloud}:{r.region}" for r in fleet.regions]
-    _once("node_configs", fleet.node_configs, str)
-    _once("regions", fleet.regions, lambda r: f"{r.cloud}:{r.region}")
-    overrides: list[tuple[str, Sequence[NodeAvailability | PriceOverride]]] = [
-        ("availability", fleet.availability),
-        ("prices", fleet.prices),
-    ]
-    for key, items in overrides:
-        for i, item in enumerate(items):
-            where = f"{FLEET_KEY}.{key}[{i}]"
-            _declared(f"{where}.region", f"{item.cloud}:{item.region}", regions, "regions")
-            _declared(f"{where}.node", item.node, fleet.node_configs, "node_configs")
-        _once(key, items, lambda x: f"{x.cloud}:{x.region} {x.node}")
-    for i, pool in enumerate(fleet.gpu_pools):
-        region = f"{pool.cloud}:{pool.region}"
-        _declared(f"{FLEET_KEY}.gpu_pools[{i}].region", region, regions, "regions")
-    _once("gpu_pools", fleet.gpu_pools, lambda p: f"{p.cloud}:{p.region} {p.gpu}")
-    prom = fleet.demand_source.prometheus
-    for model in prom.model_floors if prom else {}:
-        where = f"{FLEET_KEY}.demand_source.prometheus.model_floors.{model}"
-        _declared(where, model, list(fleet.models), "models")
-    _check_floors(fleet)
-
-
-def _check_floors(fleet: FleetConfig) -> None:
-    """Each model's Prometheus floor, in the model's units, is within the demand bounds."""
-    prom = fleet.demand_source.prometheus
-    if prom is None:
-        return
-    for model, spec in fleet.models.items():
-        key = f"model_floors.{model}" if model in prom.model_floors else "floor"
-        floor = prom.model_floors.get(model, prom.floor)
-        if floor is not None and (problem := demand_bound_problem(spec, floor)):
-            raise InputError(
-                f"{FLEET_KEY}.demand_source.prometheus.{key}",
-                f"for {model}: {problem}",
-                "lower the floor",
-            )
-
-
-_KIND = {"regions": "region", "node_configs": "node", "models": "model"}
-
-
-def _declared(field: str, name: str, declared: list[str], key: str) -> None:
-    if name in declared:
-        return
-    close = unknown_value(field, name, declared, _KIND[key]).suggestions
-    raise InputError(
-        field,
-        f"{_KIND[key]} {name} is not in {key}",
-        f"use one of {key} ({', '.join(declared)}), or add it to {key}",
-        close,
-    )
-
-
-def _once(key: str, items: Sequence[T], name: Callable[[T], str]) -> None:
-    first: dict[str, int] = {}
-    for i, item in enumerate(items):
-        if (n := name(item)) in first:
-            raise InputError(
-                f"{FLEET_KEY}.{key}[{i}]",
-                f"{n} is given twice ({key}[{first[n]}] and {key}[{i}])",
-                "keep one: a repeat is ignored or overrides the first without a word",
-            )
-        first[n] = i
 
 
 def check_models_against_cards(fleet: FleetConfig, cards: Mapping[str, ModelCard]) -> None:

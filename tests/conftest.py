@@ -14,7 +14,7 @@ from coral_iac.program import ProgramOptions, utc_now
 from solver.performance.calibration import CalibrationFile, helix_data_dir, load_helix_dir
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 
 REPO = Path(__file__).resolve().parents[1]
 HELIX_DIR = helix_data_dir()  # vendored: the repo reads nothing outside itself

@@ -7,6 +7,8 @@ the same code `pulumi preview` runs, with no Pulumi CLI and no cloud credentials
 from __future__ import annotations
 
 import re
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -22,18 +24,25 @@ from coral_iac.cli.console import (
     stacks_dir,
     warn,
 )
+from coral_iac.cli.plan import check_plan_stack, load_plan
+from coral_iac.cost_report import cost_diff_table
+from coral_iac.deploy_settings import load_deploy_settings
+from coral_iac.exposure import exposure_warnings
+from coral_iac.quota import quota_needs
+from solver.catalog.offers import load_catalog
+from solver.errors import CoralError, InputError
+from solver.operations.reconfiguration import FleetState
+from solver.validation import check_stack_name
 
 NODE_TYPES = ("aws:ec2/instance:Instance", "gcp:compute/instance:Instance")
 
 
 def _run(stack: str, previous: Path | None, library: Path | None) -> Any:
+    # Pulumi and the program (ortools, scipy) take about a second to import: only when run.
     import pulumi
 
-    from coral_iac.cli.plan import load_plan
     from coral_iac.preview import preview_stack
     from coral_iac.program import ProgramOptions
-    from solver.errors import CoralError
-    from solver.validation import check_stack_name
 
     check_stack_name(stack)
     running = load_plan(previous) if previous is not None else None
@@ -44,23 +53,6 @@ def _run(stack: str, previous: Path | None, library: Path | None) -> Any:
         return preview_stack(stack, options, running), running
     except pulumi.RunError as e:
         raise CoralError(str(e)) from None
-
-
-def check_plan_stack(running: Any, stack: str, path: Path | None) -> None:
-    """`--previous` is a plan of this stack: another stack's would make preview "retire"
-    instances in regions this stack never had.
-
-    Raises:
-        InputError: naming `--previous`, both stacks and the fix.
-    """
-    from solver.errors import InputError
-
-    if running is not None and running.stack != stack:
-        raise InputError(
-            "--previous",
-            f"{path} is a plan of stack '{running.stack}', not '{stack}'",
-            f"pass the running plan of {stack} (`coral plan --stack {stack} --out ...`)",
-        )
 
 
 def preview(
@@ -75,14 +67,9 @@ def preview(
     ] = None,
 ) -> None:
     """What `pulumi preview` would declare: resources by region and instance, and the cost diff."""
+    # These two import Pulumi (about 0.2 s): only when the command runs.
     from coral_iac.components import gcp_label
-    from coral_iac.cost_report import cost_diff_table
-    from coral_iac.deploy_settings import load_deploy_settings
-    from coral_iac.exposure import exposure_warnings
     from coral_iac.gateway_cost import GatewayCost
-    from coral_iac.quota import quota_needs
-    from solver.catalog.offers import load_catalog
-    from solver.operations.reconfiguration import FleetState
 
     result, running = _run(stack, previous, library)
     nodes = [r for r in result.resources if r.type in NODE_TYPES and not _is_gateway(r)]
@@ -230,8 +217,6 @@ def check_render_folder(out_dir: Path, replace: bool) -> None:
     Raises:
         InputError: `--out` is a file, or a non-empty folder without `--replace`.
     """
-    from solver.errors import InputError
-
     if out_dir.exists() and not out_dir.is_dir():
         raise InputError("--out", f"{out_dir} is a file, not a folder", "give a folder path")
     if out_dir.is_dir() and any(out_dir.iterdir()) and not replace:
@@ -249,11 +234,6 @@ def write_folder(out_dir: Path, files: dict[str, str]) -> None:
     Raises:
         InputError: the folder or its parent cannot be written.
     """
-    import shutil
-    import tempfile
-
-    from solver.errors import InputError
-
     staging: Path | None = None
     try:
         out_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -282,8 +262,6 @@ def write_folder(out_dir: Path, files: dict[str, str]) -> None:
 
 def _user_data(resource: Any) -> str:
     """A node's rendered user-data: AWS `userData`, GCP `metadata.user-data`."""
-    from solver.errors import CoralError
-
     inputs = resource.inputs
     text = inputs.get("userData") or (inputs.get("metadata") or {}).get("user-data")
     if not isinstance(text, str):

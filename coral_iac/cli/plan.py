@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -21,8 +22,12 @@ from coral_iac.cli.console import (
     warn,
 )
 from coral_iac.cli.plan_output import REPLAY_TOLERANCE, diff_table, show_plan
-from coral_iac.deployable import unverified_placements
-from solver.io import check_replaceable, write_atomic
+from coral_iac.deployable import deploy_problems, unverified_placements
+from solver.catalog.vllm_support import check_deployable_gpus
+from solver.errors import InputError
+from solver.io import check_replaceable, parse_model, read_text, write_atomic
+from solver.plan_schema import Plan, diff_plans
+from solver.timing import timed
 
 
 class PlanGroup(TyperGroup):
@@ -99,8 +104,6 @@ def plan(
     """Solve the allocation for a stack and print (and optionally write) the plan."""
     if ctx.invoked_subcommand is not None:
         return
-    from solver.errors import InputError
-
     if stack is None:
         raise InputError("--stack", "missing", "pass --stack NAME (a stacks/Pulumi.<NAME>.yaml)")
     if baseline not in (None, "homo", "cauchy", "homo-paper", "cauchy-paper"):
@@ -117,8 +120,6 @@ def plan(
         )
     if out_file is not None:  # before minutes of planning, not after
         check_replaceable(out_file)
-    from solver.timing import timed
-
     with timed() as times:
         result, problems = make_plan(
             stack, baseline or "coral", previous, library, workers, add_only, force
@@ -197,10 +198,9 @@ def make_plan(
 
     `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
     """
-    from coral_iac.cli.deploy import check_plan_stack
+    # Deferred to keep `coral` quick to start: httpx (through demand_sources) takes about
+    # 35 ms to import, the performance model (scipy) and the planner (ortools) about a second.
     from coral_iac.demand_sources import resolve_demand
-    from coral_iac.deployable import deploy_problems
-    from solver.catalog.vllm_support import check_deployable_gpus
     from solver.performance.default_model import load_perf_model
     from solver.plan.planner import plan_with_library
 
@@ -251,12 +251,6 @@ def load_plan(path: Path) -> Any:
         InputError: no such file, not JSON, or not a plan this coral reads: what the file
             holds, against what a plan file is (a JSON object of the schema's plan format).
     """
-    import json
-
-    from solver.errors import InputError
-    from solver.io import parse_model, read_text
-    from solver.plan.schema import Plan
-
     fmt = Plan.model_fields["format"].default
     fix = (
         f"pass a plan.json written by `coral plan --out` (a JSON object of plan format {fmt}: "
@@ -277,6 +271,21 @@ def load_plan(path: Path) -> Any:
         raise InputError(
             str(path), f"is not a plan this coral reads: {where}: {e.problem}", fix
         ) from e
+
+
+def check_plan_stack(running: Any, stack: str, path: Path | None) -> None:
+    """`--previous` is a plan of this stack: another stack's would make preview "retire"
+    instances in regions this stack never had.
+
+    Raises:
+        InputError: naming `--previous`, both stacks and the fix.
+    """
+    if running is not None and running.stack != stack:
+        raise InputError(
+            "--previous",
+            f"{path} is a plan of stack '{running.stack}', not '{stack}'",
+            f"pass the running plan of {stack} (`coral plan --stack {stack} --out ...`)",
+        )
 
 
 def _not_a_plan(data: Any, fmt: int) -> str | None:
@@ -342,8 +351,6 @@ def plan_diff(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Instances added and removed, and the $/hour change per model."""
-    from solver.plan.schema import diff_plans
-
     a, b = load_plan(old), load_plan(new)
     diff = diff_plans(a, b)
     if as_json:

@@ -1,6 +1,6 @@
 """What `coral plan` prints about a plan: its tables (stdout) and the solver's lines (stderr).
 
-docs/allocation.md ("Reading `coral plan`") explains every column.
+docs/output.md explains every column and line.
 """
 
 from __future__ import annotations

@@ -166,8 +166,8 @@ def epochs_cmd(
     from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
     from solver.plan.demand import stack_demand
+    from solver.plan.epochs import run_epochs
     from solver.plan.planner import libraries_for
-    from solver.simulation.epochs import run_epochs
 
     try:
         factors = [float(x) for x in availability.split(",")]

@@ -8,7 +8,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from solver.catalog.market import Market, RegionId
-from solver.plan.schema import SolverReport
+from solver.plan_schema import SolverReport
 from solver.stack import AllocationSettings
 from solver.templates.serving_template import ServingTemplate
 from solver.types import BUCKET_SEP, Job

@@ -39,7 +39,7 @@ from solver.allocation.model import (
 from solver.allocation.problem import Problem, Solution, priority_tiers, scaled_demand
 from solver.allocation.reduction import reduce_columns, undominated
 from solver.errors import AllocationError
-from solver.plan.schema import SolverReport
+from solver.plan_schema import SolverReport
 
 __all__ = ["BACKEND_IDS", "FRACTION_STEPS", "new_solver", "solve_allocation"]
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from solver.catalog.offers import Catalog
+from solver.catalog.paper_market import paper_slots
 from solver.errors import InputError, unknown_value
 from solver.stack import FleetConfig
 
@@ -59,8 +60,6 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
     """
     check_regions(fleet, catalog)
     if fleet.market.kind == "paper":
-        from solver.catalog.paper_market import build_paper_market
-
         return build_paper_market(fleet, catalog)
     regions = {(r.cloud, r.region) for r in fleet.regions}
     wanted = set(fleet.node_configs)
@@ -89,6 +88,35 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
     }
     gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
     return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
+
+
+def build_paper_market(fleet: FleetConfig, catalog: Catalog) -> Market:
+    """The paper market of a stack (`solver.catalog.paper_market`).
+
+    Raises:
+        InputError: an availability override for a slot the paper market does not sell (a GPU
+            Table 1 does not price, or one the region's provider does not offer).
+    """
+    price = paper_slots(fleet, catalog)
+    available = dict.fromkeys(price, fleet.market.nodes_per_slot)
+    for i, a in enumerate(fleet.availability):
+        slot = ((str(a.cloud), a.region), a.node)
+        if slot not in price:
+            raise InputError(
+                f"coral:fleet.availability[{i}]",
+                f"the paper market (coral:fleet.market: paper) does not sell {a.node} in "
+                f"{a.cloud}:{a.region} (Table 1 prices H100, A100, L40S, A10G and L4; GCP "
+                "offers no L40S or A10G)",
+                "remove this override, or use market: catalog",
+            )
+        available[slot] = a.count
+    pools: dict[tuple[tuple[str, str], str], int] = {
+        ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
+    }
+    gpu_of = {
+        n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in set(fleet.node_configs)
+    }
+    return Market(price, available, pools, gpu_of)
 
 
 def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:

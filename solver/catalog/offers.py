@@ -2,8 +2,8 @@
 
 A *node config* is a GPU type and a GPU count per node (`l40sx1`, `h100x8`). An *offer* is a
 (cloud, region, instance type) that realises a node config, with its $/hour and a default
-availability. Node configs that no offer sells can still be named (calibration uses `t4x4`): they
-get a conservative default network bandwidth.
+availability. Node configs that no offer sells can still be named (`h100x2`, which the paper's
+stacks list): they get a conservative default network bandwidth.
 """
 
 from __future__ import annotations

@@ -58,7 +58,7 @@ from typing import Literal
 from pydantic import BaseModel, Field
 
 from solver.io import digest
-from solver.plan.schema import Instance, Plan, template_ref
+from solver.plan_schema import Instance, Plan, template_ref
 from solver.templates.serving_template import ServingTemplate
 from solver.types import FROZEN, Job
 

@@ -528,7 +528,7 @@ def all_abs_rel_errors(
     data: CalibrationData,
     phase: Phase,
 ) -> list[float]:
-    """Every point's relative error for one phase (the issue's pooled median check)."""
+    """Every point's relative error for one phase (the pooled median check)."""
     out: list[float] = []
     for f in files:
         if f.phase != phase:

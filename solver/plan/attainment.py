@@ -9,7 +9,7 @@ verification on requests the planner never saw.
    took most of the TTFT SLO, else decode), by a step that grows with the shortfall; re-plan, at
    most `attainment.rounds` times.
 3. **Verification**: the final plan simulated for `attainment.verify_minutes` on the
-   verification workload (other seeds, or the trace's other half). Its attainment per model is
+   verification workload (other seeds, or the trace's other blocks). Its attainment per model is
    the plan's claim; `coral plan --strict` exits 3 and the Pulumi program refuses a plan below
    target unless the stack sets `attainment.accept_below_target`.
 
@@ -30,13 +30,13 @@ import numpy as np
 from solver import timing
 from solver.io import digest, write_atomic
 from solver.performance.perf_model import PerfModel
-from solver.plan.schema import ModelAttainment, Plan, template_ref
 from solver.plan.slo_capacity import (
     ADMISSION_SHARE,
     CAPACITY_MODEL_VERSION,
     MAX_UTILIZATION,
     capacity_factors,
 )
+from solver.plan_schema import ModelAttainment, Plan, template_ref
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace

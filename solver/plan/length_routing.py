@@ -1,5 +1,5 @@
 """Length-aware routing: a model's requests split by prompt length into buckets, each served by
-instances of its own (Mélange's request-size buckets; issue #16, docs/slo-attainment.md).
+instances of its own (Mélange's request-size buckets; docs/slo-attainment.md).
 
 A model with `length_routing: {split_quantiles: [q, ...]}` is planned twice: as one pool, and
 as buckets cut at those quantiles of its planning workload's prompt lengths. A bucket is a model
@@ -19,7 +19,7 @@ request keeps the length and arrival time it has in the one pool.
   the routed plan are planned once more, so the final plan is one solve of one fleet.
 - **Gateway.** Each bucket's bounds in tokens times `bytes_per_token` are its Content-Length
   bounds: HAProxy sends a request to the bucket its body size falls in
-  (`coral_iac.gateway`), without reading the body.
+  (`coral_iac.gateway_config`), without reading the body.
 
 `fleet_for_plan` rebuilds the fleet a plan was solved for from the plan alone (its buckets), for
 the validator, the simulator and the Pulumi program.
@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from solver.errors import InputError
-from solver.plan.schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
+from solver.plan_schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
 from solver.simulation.workload import model_trace, request_rate
 from solver.stack import Demand, FleetConfig, LengthSlice, ModelSpec, PhaseTokens
 from solver.types import BUCKET_SEP

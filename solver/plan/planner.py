@@ -1,8 +1,10 @@
 """From a stack to a plan: demand per (model, phase), libraries, allocation, the plan file.
 
-`plan_stack` runs Coral's allocation or a baseline (`solver/allocation/baselines.py`) and
-assembles the `Plan`. Libraries come from a folder, and are built (or rebuilt when stale) there
-when asked.
+`plan_with_library` is what `coral plan` and the Pulumi program run: libraries from a folder
+(built, or rebuilt when stale, there when asked), then the plan to the models' SLO attainment
+targets (`solver.plan.attainment`: capacity model, closed loop, verification; length buckets
+through `solver.plan.length_routing`), validated. `plan_stack` is one allocation: Coral's or a
+baseline's (`solver/allocation/baselines.py`), assembled into a `Plan`.
 """
 
 from __future__ import annotations
@@ -11,6 +13,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 from solver import timing
+from solver.allocation.baselines import cauchy_columns, homo_solution, priorities
+from solver.allocation.paper_baselines import paper_baseline
 from solver.allocation.problem import Column, Problem, Solution, make_columns
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market, build_market
@@ -20,10 +24,17 @@ from solver.io import digest
 from solver.performance.perf_model import PerfModel
 from solver.plan.attainment import Simulations, base_factors, plan_to_target
 from solver.plan.demand import capacity_needed, stack_demand
-from solver.plan.schema import Instance, JobResult, Method, Plan, instance_key, template_ref
+from solver.plan.length_routing import plan_routed
 from solver.plan.validator import validate_plan
+from solver.plan_schema import Instance, JobResult, Method, Plan, instance_key, template_ref
 from solver.stack import FleetConfig
-from solver.templates.library import Library, build_libraries, load_library, save_library
+from solver.templates.library import (
+    Library,
+    build_libraries,
+    library_owner,
+    load_library,
+    save_library,
+)
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
@@ -85,8 +96,6 @@ def _check_owner(directory: Path, stack: str | None, force: bool) -> None:
     Raises:
         InputError: naming the folder, its owner and the fix.
     """
-    from solver.templates.library import library_owner
-
     owner = (library_owner(directory) or {}).get("stack")
     if stack is None or owner in (None, stack) or force:
         return
@@ -228,8 +237,6 @@ def plan_stack(
     `solver.plan.attainment`) scale each template's throughput; a template with factor 0 is
     not offered. None: every template at its library throughput (the paper's formulation).
     """
-    from solver.allocation.baselines import cauchy_columns, homo_solution, priorities
-
     demand = stack_demand(fleet)
     market = build_market(fleet, catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
@@ -242,8 +249,6 @@ def plan_stack(
     # Capacity to buy: demand over the target utilization (headroom for queueing).
     needed = capacity_needed(fleet, demand)
     if method in ("homo-paper", "cauchy-paper"):
-        from solver.allocation.paper_baselines import paper_baseline
-
         columns, solution = paper_baseline(method, fleet, market, needed, columns)
     elif method == "homo":
         solution = homo_solution(fleet, market, needed, columns)
@@ -362,8 +367,6 @@ def plan_with_library(
     relative `workload_trace` paths are read from; `on_round`: a line per closed-loop round;
     `force`: build into a library folder another stack owns.
     """
-    from solver.plan.length_routing import plan_routed
-
     loaded: dict[Job, Library] = {}
     sims = Simulations(perf, root)  # a model planned alike in several plans is simulated once
 

@@ -170,6 +170,7 @@ def _decode_attainment(
 def _erlang_c(servers: np.ndarray, offered: np.ndarray) -> np.ndarray:
     """Probability of waiting in M/M/c (vectorised): Erlang B = Poisson pmf(c) / cdf(c) at the
     offered load, then C = c B / (c - a (1 - B))."""
+    # scipy.stats takes about 0.8 s to import, and nothing else a plan imports loads it.
     from scipy.stats import poisson
 
     c = servers

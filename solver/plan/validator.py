@@ -31,7 +31,7 @@ from solver.catalog.offers import Catalog
 from solver.errors import CoralError
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.length_routing import fleet_for_plan
-from solver.plan.schema import Instance, JobResult, Plan, instance_key, template_ref
+from solver.plan_schema import Instance, JobResult, Plan, instance_key, template_ref
 from solver.stack import FleetConfig
 from solver.templates.serving_template import ServingTemplate
 from solver.types import Job, base_model, per_model

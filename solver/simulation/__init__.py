@@ -1,6 +1,8 @@
-"""Evaluation beside the pipeline: replay request traces against a plan.
+"""Simulation: replay request traces against a plan. Takes a `Plan`, the stack, the `PerfModel`
+and traces; gives per-model TTFT, TPOT, SLO attainment and goodput, and per-template capacity.
 
-Takes a `Plan`, the stack and the `PerfModel`, and request traces (`traces`: generated in the
-paper's shapes, or read from CSV). Gives per-model TTFT, TPOT, SLO attainment and goodput
-(`simulator`), per-template sustained capacity, and epochs of re-planning (`epochs`).
+Traces (`traces`, `workload`) are generated in the paper's shapes, the packaged Azure 2023
+traces, or a CSV. The planner's closed loop and verification run `simulator` on every plan;
+`coral simulate`, `coral bench` and the epochs of re-planning (`solver.plan.epochs`) run it on
+any plan. `results` holds what a simulation gives back.
 """

@@ -44,9 +44,9 @@ from collections import deque
 import numpy as np
 
 from solver.performance.perf_model import PerfModel
-from solver.plan.schema import Plan, template_ref
+from solver.plan_schema import Plan, template_ref
 from solver.simulation.results import ModelResult, SimResult
-from solver.simulation.traces import Trace
+from solver.simulation.traces import Trace, WorkloadShape, generate_trace
 from solver.stack import FleetConfig
 from solver.templates.instance_model import InstanceModel
 
@@ -382,8 +382,6 @@ def capacity_check(
     request at the model's mean lengths: the throughput it sustains (completions in the last two
     thirds of the run) next to the template library's figure. Units as the library's: prompt
     tokens/s (prefill), output tokens/s (decode), requests/s (aggregated)."""
-    from solver.simulation.traces import WorkloadShape, generate_trace
-
     fixed = WorkloadShape(1.0, 0.0, 0.0)  # Poisson arrivals, every request at the means
     rows: list[dict[str, object]] = []
     for ref in sorted({template_ref(i.model, i.phase, i.template) for i in plan.instances}):

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
+from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
@@ -260,8 +261,6 @@ def planning_workload(spec: ModelSpec, index: int, root: Path | None = None) -> 
 
 
 def _lognormal_quantiles(mean: float, sigma: float, q: np.ndarray) -> np.ndarray:
-    from statistics import NormalDist
-
     z = np.array([NormalDist().inv_cdf(float(x)) for x in q])
     mu = np.log(mean) - sigma**2 / 2
     return np.asarray(np.maximum(1.0, np.exp(mu + sigma * z)), dtype=np.float64)

@@ -29,9 +29,8 @@ from typing import Any, Literal, TypeVar
 from solver.errors import InputError
 from solver.performance.perf_model import PerfModel
 from solver.stack import FleetConfig
+from solver.templates.candidates import Candidate, RowSource
 from solver.templates.enumeration import (
-    Candidate,
-    RowSource,
     available_node_configs,
     best_candidate,
 )

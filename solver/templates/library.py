@@ -25,9 +25,8 @@ from solver.io import digest, write_atomic
 from solver.performance.analytical import PERF_MODEL_VERSION
 from solver.performance.perf_model import PerfModel
 from solver.stack import FleetConfig
+from solver.templates.candidates import Candidate, RowSource
 from solver.templates.enumeration import (
-    Candidate,
-    RowSource,
     available_node_configs,
     enumerate_multisets,
     to_template,
@@ -122,7 +121,7 @@ def input_hashes(
     }
     if not fleet.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
         hashes["mixing"] = digest(False)
-    if fleet.library.mode == "paper" and phase == "decode":  # coupled decode pipelines (#19)
+    if fleet.library.mode == "paper" and phase == "decode":  # coupled decode pipelines
         hashes["placement"] = digest(COUPLED_DECODE_VERSION)
     return hashes
 

@@ -8,7 +8,7 @@ Runtime mode `paper` places a node multiset exactly as the paper's per-template 
 - several nodes in one stage split its load (data parallelism: their T̂ add up);
 - every phase may span several nodes, decode included (multi-node decode);
 - the per-stage budget is the phase's SLO / S;
-- a decode pipeline runs one micro-batch size at every stage (coupled; #19 item 5): the same
+- a decode pipeline runs one micro-batch size at every stage (coupled): the same
   sequences pass through every stage, so the stage with the least KV per sequence (or the
   slowest) caps the batch for all (`solver.templates.placement_search.place_coupled`). The
   paper's per-stage T̂ lets each stage pick its own batch, which a pipeline cannot: measured
@@ -27,7 +27,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from solver.templates.enumeration import Candidate, RowSource, _general
+from solver.templates.candidates import Candidate, RowSource, general_candidate
 from solver.templates.placement_search import Placement, place_coupled, place_fast
 from solver.types import Mode
 
@@ -57,7 +57,7 @@ def paper_candidate(
         measure what the coupling changes).
     """
     if not coupled or rows.phase != "decode" or len(nodes) == 1:
-        found = _general(rows, nodes)
+        found = general_candidate(rows, nodes)
         return None if found is None else replace(found, mode=PAPER_MODE)
     return _coupled_decode(rows, nodes)
 
@@ -85,7 +85,8 @@ def _coupled_decode(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None
 
 
 def _candidate(rows: RowSource, nodes: tuple[str, ...], placement: Placement) -> Candidate:
-    """Every node whole in its stage, at the TP degree its T̂ entry chose (as `_general`)."""
+    """Every node whole in its stage, at the TP degree its T̂ entry chose (as
+    `general_candidate`)."""
     s_count = len(placement.stages)
     tps = {
         k: rows.chosen_tp(nodes[k], s_count, j, last=i == s_count - 1)

@@ -197,7 +197,7 @@ def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:
     return Placement(achieved, tuple((i,) for i in range(len(js))), tuple(js))
 
 
-# Coupled decode pipelines (#19 item 5). Bumped when the coupled search changes what a library
+# Coupled decode pipelines (`place_coupled`). Bumped when the coupled search changes what a library
 # holds, so libraries built before are rebuilt (solver.templates.library.input_hashes).
 COUPLED_DECODE_VERSION = "1"
 

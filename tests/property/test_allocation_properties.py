@@ -113,7 +113,7 @@ def test_relabelling_regions_and_models_changes_nothing(rps, avail):
 @SETTINGS
 @given(demands, st.floats(0.5, 1.5), st.floats(0.5, 1.5))
 def test_an_add_only_replan_never_removes_a_running_instance(rps, phi_scale, gpt_scale):
-    from solver.plan.schema import diff_plans
+    from solver.plan_schema import diff_plans
 
     avail = [6] * len(SLOTS)
     first = solve(with_inputs(rps, avail))

@@ -12,8 +12,8 @@ from hypothesis import strategies as st
 from solver.performance.analytical import valid_tp_degrees
 from solver.performance.default_model import load_perf_model
 from solver.stack import load_stack
+from solver.templates.candidates import RowSource
 from solver.templates.enumeration import (
-    RowSource,
     available_node_configs,
     best_candidate,
     to_template,

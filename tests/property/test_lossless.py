@@ -21,8 +21,8 @@ from solver.catalog.market import Market
 from solver.catalog.offers import Catalog, GpuType
 from solver.oracles.joint_model import JointModel, solve_joint
 from solver.stack import AllocationSettings, ModelSpec, Slo
+from solver.templates.candidates import RowSource
 from solver.templates.enumeration import (
-    RowSource,
     best_candidate,
     enumerate_multisets,
     to_template,

@@ -14,8 +14,8 @@ from coral_iac.cli.app import app
 from solver.errors import InputError
 from solver.io import parse_model
 from solver.plan.planner import plan_stack
-from solver.plan.schema import diff_plans
 from solver.plan.validator import InvalidPlan, validate_plan
+from solver.plan_schema import diff_plans
 from solver.stack import FleetConfig
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
@@ -204,7 +204,7 @@ def test_budget_limits_the_plan_and_is_reported():
     ],
 )
 def test_validator_rejects_tampered_plans(tamper, message):
-    from solver.plan.schema import Plan
+    from solver.plan_schema import Plan
 
     f = with_rps(3, 4)
     data = plan_for(f).model_dump()

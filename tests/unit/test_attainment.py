@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from coral_iac.cli.app import app
 from solver.plan import attainment, planner
 from solver.plan.planner import plan_with_library
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 from solver.simulation.simulator import simulate
 from solver.simulation.workload import TRACE_BLOCK_S, model_trace, stack_requests, trace_window
 from solver.stack import load_stack
@@ -339,7 +339,7 @@ def test_coral_keeps_the_single_config_search_only_when_it_is_cheaper_at_the_sam
 def test_a_plan_is_judged_by_the_lower_of_its_held_out_windows_and_the_whole_trace():
     """Where one trace window looks better than the hour (paper-helix-aggregated: 91.5%
     verified, 85.3% on the whole trace), the plan is judged short by the whole trace."""
-    from solver.plan.schema import ModelAttainment
+    from solver.plan_schema import ModelAttainment
 
     row = ModelAttainment(model="m", target=0.9, workload="azure-conv-2023", planned=0.92,
                           verified=0.915, replayed=0.853)  # fmt: skip

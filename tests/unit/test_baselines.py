@@ -16,8 +16,8 @@ from solver.allocation.baselines import homo_solution
 from solver.allocation.problem import Column
 from solver.catalog.market import Market
 from solver.plan.planner import plan_stack
-from solver.plan.schema import Plan
 from solver.plan.validator import validate_plan
+from solver.plan_schema import Plan
 from solver.stack import FleetConfig
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 

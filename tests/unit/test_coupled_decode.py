@@ -10,7 +10,8 @@ from typing import Any
 import pytest
 
 from solver.stack import FleetConfig
-from solver.templates.enumeration import RowSource, to_template
+from solver.templates.candidates import RowSource
+from solver.templates.enumeration import to_template
 from solver.templates.instance_model import InstanceModel
 from solver.templates.library import input_hashes
 from solver.templates.paper_mode import paper_candidate

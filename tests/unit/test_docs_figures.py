@@ -19,7 +19,7 @@ from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
 from coral_iac.cli.plan_output import routing_table
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 from tests.conftest import REPO
 
 CORAL = Path(sys.executable).with_name("coral")

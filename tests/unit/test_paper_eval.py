@@ -15,7 +15,7 @@ import yaml
 
 from solver.catalog.market import Market
 from solver.plan.planner import plan_stack
-from solver.plan.schema import template_ref
+from solver.plan_schema import template_ref
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,8 +9,9 @@ from typing import Any
 import pytest
 
 from solver.catalog.market import build_market
+from solver.catalog.market_settings import L4_USD_PER_GPU_HOUR
 from solver.catalog.offers import load_catalog
-from solver.catalog.paper_market import L4_USD_PER_GPU_HOUR, RELATIVE_COST
+from solver.catalog.paper_market import RELATIVE_COST
 from solver.errors import InputError
 from solver.stack import FleetConfig
 from solver.templates.enumeration import available_node_configs

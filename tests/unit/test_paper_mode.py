@@ -14,7 +14,8 @@ from solver.errors import InputError
 from solver.oracles.placement_ilp import place_ilp
 from solver.plan.demand import stack_demand
 from solver.stack import FleetConfig
-from solver.templates.enumeration import RowSource, best_candidate
+from solver.templates.candidates import RowSource
+from solver.templates.enumeration import best_candidate
 from solver.templates.library import Library, build_libraries, load_library, save_library
 from solver.templates.paper_mode import paper_candidate
 from tests.allocation_helpers import perf

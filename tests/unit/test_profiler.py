@@ -20,8 +20,9 @@ from solver.performance.default_model import MEASURED_DIR_ENV, load_perf_model
 from solver.performance.measured_tables import load_measured_dir
 from solver.performance.profiler import suite
 from solver.performance.profiler.cards import tiny_card
+from solver.performance.profiler.command import measure
 from solver.performance.profiler.device import gpu_id_for
-from solver.performance.profiler.measure import MeasureSpec, measure, run_grid
+from solver.performance.profiler.measure import MeasureSpec, run_grid
 from solver.performance.profiler.record import MeasurementRecord
 from solver.performance.profiler.vllm_engine import decode_step_ms, engine_kwargs, per_layer_ms
 

@@ -358,7 +358,7 @@ def test_bench_headline_says_a_baseline_that_serves_nothing():
 
 
 def test_epochs_count_start_up_time_and_replan_against_the_running_plan():
-    from solver.simulation.epochs import run_epochs
+    from solver.plan.epochs import run_epochs
 
     f = fleet()
     # cold start, start-up as long as the epoch: nothing new serves in epoch 0; epoch 1 keeps

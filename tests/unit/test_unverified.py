@@ -4,7 +4,7 @@ that `coral plan` and the Pulumi program warn about."""
 from __future__ import annotations
 
 from coral_iac.deployable import unverified_placements
-from solver.plan.schema import template_ref
+from solver.plan_schema import template_ref
 from tests.unit.test_bootstrap import template
 from tests.unit.test_gateway import make_plan
 

@@ -10,8 +10,8 @@ import pytest
 
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.planner import plan_stack
-from solver.plan.schema import Instance, Plan
 from solver.plan.validator import InvalidPlan, plan_problems, served_fractions, validate_plan
+from solver.plan_schema import Instance, Plan
 from solver.types import Job
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
@@ -176,7 +176,7 @@ def _supply(plan: Plan) -> dict[tuple[str, str], float]:
 def test_a_template_whose_throughput_the_plan_made_up_is_rejected_against_the_library():
     """The plan claims phi-4's decode template serves 6x what the library says, and drops the
     instances it no longer needs, every total consistent: only the library check catches it."""
-    from solver.plan.schema import template_ref
+    from solver.plan_schema import template_ref
 
     f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 0.5)
     plan = solve(f)

@@ -5,18 +5,24 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+import torch
+
 from solver.catalog.model_cards import ModelCard, get_card, load_model_cards
 from solver.errors import InputError
 from solver.performance.profiler.cards import tiny_card
-from solver.performance.profiler.device import pick_dtype
+from solver.performance.profiler.device import pick_device, pick_dtype
 from solver.performance.profiler.measure import (
     DEFAULT_BATCHES,
     DEFAULT_TOKENS,
     MeasureSpec,
+    build_layer,
+    layer_ms,
     make_record,
-    measure,
+    run_grid,
 )
 from solver.performance.profiler.record import MeasurementRecord
+from solver.performance.profiler.tp import measure_tp
+from solver.performance.profiler.vllm_engine import measure_vllm
 from solver.types import Phase
 
 ENGINES = ("torch", "vllm")
@@ -68,6 +74,24 @@ def run_measure(
     return record.write(out_dir), record
 
 
+def measure(
+    card: ModelCard, spec: MeasureSpec, progress: Callable[[str], None] = lambda _: None
+) -> MeasurementRecord:
+    """Measure one (model, phase) with torch and return its record: on the local device, or
+    split `spec.tp` ways over local ranks (`solver.performance.profiler.tp`)."""
+    spec.check()
+    if spec.tp != 1:
+        return measure_tp(card, spec, progress)
+    device = pick_device(spec.device)
+    dtype = pick_dtype(spec.dtype, device)
+    layer = build_layer(card, device, dtype, spec.seed)
+    gen = torch.Generator(device=device).manual_seed(spec.seed + 1)
+    grid = run_grid(
+        lambda n: layer_ms(layer, card, spec, n, gen), spec.sizes, spec.budget_s, progress
+    )
+    return make_record(card, spec, device, dtype, grid, "torch layer: median of repeats")
+
+
 def _measure_with_vllm(
     card: ModelCard,
     spec: MeasureSpec,
@@ -75,10 +99,6 @@ def _measure_with_vllm(
     layers: tuple[int, int],
     progress: Callable[[str], None],
 ) -> MeasurementRecord:
-    import torch
-
-    from solver.performance.profiler.vllm_engine import measure_vllm
-
     grid, version = measure_vllm(card, spec, hf_config, layers, progress)
     device = torch.device("cuda")
     few, many = layers

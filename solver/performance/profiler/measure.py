@@ -23,8 +23,6 @@ from solver.performance.profiler.device import (
     device_name,
     driver_version,
     gpu_id_for,
-    pick_device,
-    pick_dtype,
 )
 from solver.performance.profiler.layer import DecoderLayer, LayerShape, random_weights
 from solver.performance.profiler.record import MeasurementRecord, PointRecord
@@ -197,25 +195,6 @@ def build_layer(
 ) -> DecoderLayer:
     shape = LayerShape.from_card(card)
     return DecoderLayer(shape, random_weights(shape, device, dtype, seed))
-
-
-def measure(
-    card: ModelCard, spec: MeasureSpec, progress: Callable[[str], None] = lambda _: None
-) -> MeasurementRecord:
-    """Measure one (model, phase) on the local device without TP and return its record."""
-    spec.check()
-    if spec.tp != 1:
-        from solver.performance.profiler.tp import measure_tp
-
-        return measure_tp(card, spec, progress)
-    device = pick_device(spec.device)
-    dtype = pick_dtype(spec.dtype, device)
-    layer = build_layer(card, device, dtype, spec.seed)
-    gen = torch.Generator(device=device).manual_seed(spec.seed + 1)
-    grid = run_grid(
-        lambda n: layer_ms(layer, card, spec, n, gen), spec.sizes, spec.budget_s, progress
-    )
-    return make_record(card, spec, device, dtype, grid, "torch layer: median of repeats")
 
 
 def make_record(

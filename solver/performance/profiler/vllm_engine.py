@@ -104,6 +104,7 @@ def measure_vllm(
 ) -> tuple[Grid, str]:
     """Per-layer times by the two-layer-count difference; returns the grid and vLLM's version."""
     try:
+        # vLLM is optional (GPU nodes only): imported only when measuring with it.
         import vllm
     except ImportError as exc:
         raise EngineUnavailable(
@@ -141,6 +142,7 @@ def _run_in_child(
 
 def _engine_times(card: ModelCard, spec: MeasureSpec, source: str, layers: int, out: str) -> None:
     """Child process: median ms of the timed call at every size, for one layer count."""
+    # vLLM is optional (GPU nodes only): imported only when measuring with it.
     from vllm import LLM, SamplingParams
 
     llm = LLM(**engine_kwargs(source, layers, spec))

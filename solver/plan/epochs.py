@@ -17,7 +17,7 @@ from solver.catalog.market import build_market
 from solver.catalog.offers import Catalog
 from solver.performance.perf_model import PerfModel
 from solver.plan.planner import plan_stack
-from solver.plan.schema import Plan, diff_plans
+from solver.plan_schema import Plan, diff_plans
 from solver.simulation.simulator import simulate
 from solver.simulation.workload import stack_requests
 from solver.stack import FleetConfig, NodeAvailability
