@@ -16,8 +16,9 @@ import pulumi
 import pulumi_aws as aws
 import pulumi_gcp as gcp
 
-from coral_iac.bootstrap import NodeBoot, Ports, RouterSpec, render_user_data
-from coral_iac.infra import Identity, Region, slug
+from coral_iac.bootstrap import render_user_data, slug
+from coral_iac.engine_args import NodeBoot, Ports, RouterSpec
+from coral_iac.infra import Identity, Region
 from solver.catalog.offers import Offer
 
 
@@ -97,7 +98,7 @@ def _user_data(
 
 
 def _tags(args: ServingInstanceArgs, boot: NodeBoot) -> dict[str, str]:
-    """The node's `coral:*` tags (AWS tags; GCP labels after `_label`)."""
+    """The node's `coral:*` tags (AWS tags; GCP labels after `gcp_label`)."""
     return {
         "coral:stack": args.stack,
         "coral:model": args.model,

@@ -15,7 +15,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_validator
 
 from coral_iac.deploy_settings import DeploySettings
-from coral_iac.gateway import gateway_region
+from coral_iac.gateway_config import gateway_region
 from solver.errors import InputError
 from solver.io import load_yaml_model
 from solver.stack import FleetConfig

@@ -15,6 +15,10 @@
   alone, is open to the gateway alone). Nothing else is open: no SSH.
 - Where an endpoint runs, the stack's gateway (`coral_iac/gateway.py`) reaches the API port: by
   its security group in its own region (private addresses), by its Elastic IP elsewhere.
+
+`Infra` is a component (`coral:infra:Infra`): every resource above is its child. Stacks deployed
+before it was one hold those resources at the stack's root, so each child carries its old URN as
+an alias (`ROOT_ALIAS`) and is adopted in place rather than deleted and created again.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from __future__ import annotations
 import hashlib
 import json
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import pulumi
 import pulumi_aws as aws
@@ -48,10 +53,10 @@ EC2_ASSUME_ROLE = json.dumps(
     }
 )
 
-
-def slug(text: str) -> str:
-    """A logical-name-safe, stable form of a key (replica keys contain / : * +)."""
-    return text.replace("/", ".").replace(":", "-").replace("*", "x").replace("+", "_")
+# The URN every child of `Infra` had before `Infra` was a component: the same type and name at
+# the stack's root. Without it, the new parent changes each URN and `pulumi up` would replace
+# every network, identity and provider, and with the providers every node.
+ROOT_ALIAS = pulumi.Alias(parent=pulumi.ROOT_STACK_RESOURCE)
 
 
 @dataclass
@@ -92,33 +97,61 @@ class Identity:
     gcp_service_account: pulumi.Output[str] | None = None
 
 
-class Infra:
-    """Creates shared resources on first use, so unused regions and clouds cost nothing."""
+@dataclass(frozen=True)
+class InfraArgs:
+    """Typed inputs of the shared infrastructure."""
+
+    stack: str
+    deploy: DeploySettings
+    # The stack's (cloud, region) list, coral:fleet.regions. A region's network CIDR comes from
+    # its place there, so plans using more or fewer regions never renumber (and replace) another
+    # region's network; add regions at the end.
+    order: Sequence[tuple[str, str]] = ()
+    # The AMI id each AWS region was deployed with (the stack's `images` output), kept unless
+    # `deploy.refresh_images`.
+    images: Mapping[str, str] = field(default_factory=dict)
+
+
+class Infra(pulumi.ComponentResource):
+    """Creates shared resources on first use, so unused regions and clouds cost nothing. Its
+    children are created after the constructor: `finish` registers its outputs once the run has
+    declared everything."""
 
     def __init__(
-        self,
-        stack: str,
-        deploy: DeploySettings,
-        order: list[tuple[str, str]] | None = None,
-        images: Mapping[str, str] | None = None,
+        self, name: str, args: InfraArgs, opts: pulumi.ResourceOptions | None = None
     ) -> None:
-        """`order`: the stack's (cloud, region) list, coral:fleet.regions. A region's network
-        CIDR comes from its place there, so plans using more or fewer regions never renumber
-        (and replace) another region's network; add regions at the end. `images`: the AMI id
-        each AWS region was deployed with (the stack's `images` output), kept unless
-        `deploy.refresh_images`."""
-        self.stack, self.deploy = stack, deploy
-        self.order = list(order or [])
-        self.recorded_images = dict(images or {})
+        super().__init__("coral:infra:Infra", name, None, opts)
+        self.stack, self.deploy = args.stack, args.deploy
+        self.order = list(args.order)
+        self.recorded_images = dict(args.images)
         self.images: dict[str, str] = {}  # `aws_image` key -> the AMI new nodes boot with
         self.regions: dict[tuple[str, str], Region] = {}
         self.identity = Identity()
-        self.gateway: GatewayPeer | None = None  # set by the Gateway before any group exists
+        # The gateway's addresses (`Gateway.peer`), set before any group exists.
+        self.gateway: GatewayPeer | None = None
         # Whether GPU nodes check deploy.api_key_secret themselves: not behind a gateway, which
         # checks it alone (set before any region, so the nodes' identity may not read it).
-        self.nodes_read_api_key = deploy.api_key_secret is not None
+        self.nodes_read_api_key = args.deploy.api_key_secret is not None
         self.aws_providers: dict[str, aws.Provider] = {}
         self._gcp_network: gcp.compute.Network | None = None
+
+    def _child(self, provider: pulumi.ProviderResource | None = None) -> pulumi.ResourceOptions:
+        """The options of every resource Infra declares: its child, through `provider`, with
+        the URN it had at the stack's root as an alias (`ROOT_ALIAS`)."""
+        return pulumi.ResourceOptions(parent=self, provider=provider, aliases=[ROOT_ALIAS])
+
+    def finish(self) -> pulumi.Output[str]:
+        """Registers the component's outputs, once the run has declared everything; returns the
+        AMI per `aws_image` key as the stack's `images` output (JSON)."""
+        keys = sorted(self.images)
+        images = pulumi.Output.all(*(self.images[k] for k in keys)).apply(
+            lambda amis: json.dumps(dict(zip(keys, amis, strict=True)), sort_keys=True)
+        )
+        networks: dict[str, Any] = {
+            f"{cloud}:{region}": r.network for (cloud, region), r in sorted(self.regions.items())
+        }
+        self.register_outputs({"images": images, "networks": networks})
+        return images
 
     def region(self, cloud: str, region: str) -> Region:
         key = (cloud, region)
@@ -153,12 +186,14 @@ class Infra:
         """The provider of an AWS region, one per region (a run may need it before the
         region's network, to read the gateway's health report)."""
         if region not in self.aws_providers:
-            self.aws_providers[region] = aws.Provider(f"aws-{region}", region=region)
+            self.aws_providers[region] = aws.Provider(
+                f"aws-{region}", region=region, opts=self._child()
+            )
         return self.aws_providers[region]
 
     def _aws(self, region: str, index: int) -> Region:
         provider = self.aws_provider(region)
-        opts = pulumi.ResourceOptions(provider=provider)
+        opts = self._child(provider)
         image = self.aws_image(region, self.deploy.aws_ami_parameter, provider)
         tags = {"coral:stack": self.stack}
         cidr = f"10.{index}.0.0/16"
@@ -232,7 +267,7 @@ class Infra:
         zone = fit[0]
         if zone not in r.zone_subnets:
             k = ord(zone[-1]) - ord("a")
-            opts = pulumi.ResourceOptions(provider=r.provider)
+            opts = self._child(r.provider)
             subnet = aws.ec2.Subnet(
                 f"subnet-{zone}",
                 vpc_id=r.network,
@@ -249,7 +284,7 @@ class Infra:
         return r.zone_subnets[zone]
 
     def _aws_identity(self, provider: pulumi.ProviderResource) -> pulumi.Output[str]:
-        opts = pulumi.ResourceOptions(provider=provider)
+        opts = self._child(provider)
         role = aws.iam.Role(
             "node-role",
             assume_role_policy=EC2_ASSUME_ROLE,
@@ -319,7 +354,7 @@ class Infra:
                     )
                 ],
                 tags={"coral:stack": self.stack, "coral:model": model},
-                opts=pulumi.ResourceOptions(provider=r.provider),
+                opts=self._child(r.provider),
             )
             r.groups[model] = group.id
         return r.groups[model]
@@ -342,8 +377,8 @@ class Infra:
     # ---------------------------------------------------------------- GCP
 
     def _gcp(self, region: str, index: int) -> Region:
-        provider = gcp.Provider(f"gcp-{region}", region=region)
-        opts = pulumi.ResourceOptions(provider=provider)
+        provider = gcp.Provider(f"gcp-{region}", region=region, opts=self._child())
+        opts = self._child(provider)
         if self._gcp_network is None:
             self._gcp_network = gcp.compute.Network(
                 "network",
@@ -392,7 +427,7 @@ class Infra:
         name = gcp_name(model)
         tag = f"coral-{self.stack}-{name}"[:63].replace(".", "-").rstrip("-")
         if model not in r.groups:
-            opts = pulumi.ResourceOptions(provider=r.provider)
+            opts = self._child(r.provider)
             gcp.compute.Firewall(
                 f"fw-{name}-{r.region}-internal",
                 network=r.network,

@@ -12,11 +12,13 @@
    code, for no gain.
 3. Load the template library from `.coral/library/<stack>`. A missing library is built; a stale
    one is an error unless `deploy.rebuild_library` is set.
-4. Solve the allocation with nu0 = the previous plan, and validate the plan.
+4. Plan with nu0 = the previous plan, as `coral plan` does (`plan_with_library`: SLO capacity,
+   allocation with the budget less the gateway's $/hour, closed loop, verification), and
+   validate the plan.
 5. Check the plan is deployable (vllm mode, budget, prefill/decode pairs per region).
-6. Work out each instance's state (`solver/reconfigure.py`): new ones start, instances leaving
-   the plan keep serving (retiring) until their replacements have booted, then drain for one
-   run before they are deleted.
+6. Work out each instance's state (`solver/operations/reconfiguration.py`): new ones start,
+   instances leaving the plan keep serving (retiring) until their replacements have booted,
+   then drain for `deploy.drain_minutes` before a run deletes them.
 7. Declare the gateway (`coral_iac/gateway.py`), every instance of the plan and every leaving
    one, and the gateway's HAProxy configuration (new requests to ready and retiring instances
    only); export costs, the plan, the fleet state, the endpoints and the gateway's URLs.
@@ -34,23 +36,18 @@ from typing import Any
 import pulumi
 from pulumi.runtime.sync_await import _sync_await
 
-from coral_iac.bootstrap import instance_engine, node_boots, precision_group_bf16
+from coral_iac.bootstrap import node_boots, slug
 from coral_iac.components import ServingInstance, ServingInstanceArgs
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.demand_sources import resolve_demand
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.deployable import deploy_problems, unverified_placements
+from coral_iac.engine_args import instance_engine, precision_group_bf16
 from coral_iac.exposure import exposure_warnings
-from coral_iac.gateway import (
-    Gateway,
-    GatewayArgs,
-    gateway_region,
-    health_parameter_name,
-    published_health,
-    replicas_up,
-)
+from coral_iac.gateway import Gateway, GatewayArgs, published_health
+from coral_iac.gateway_config import gateway_region, health_parameter_name, replicas_up
 from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
-from coral_iac.infra import Infra, gcp_node_zones, slug
+from coral_iac.infra import Infra, InfraArgs, gcp_node_zones
 from coral_iac.model_files import card_disk_gb
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
 from solver.catalog.offers import Catalog
@@ -66,7 +63,7 @@ from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.length_routing import fleet_for_plan
 from solver.plan.planner import plan_with_library
-from solver.plan.schema import Instance, Plan, template_ref
+from solver.plan_schema import Instance, Plan, template_ref
 from solver.stack import FLEET_KEY, FleetConfig, parse_fleet
 from solver.templates.instance_model import InstanceModel
 from solver.types import base_model
@@ -193,7 +190,7 @@ def declare(
     `node_images`: instance key -> the boot image its nodes keep (`FleetState` members; None
     or absent: its region's)."""
     if infra is None:
-        infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
+        infra = _infra(fleet, deploy, stack, images)
     upstreams: dict[str, pulumi.Output[str]] = {}
     endpoints: dict[str, list[pulumi.Output[str]]] = {}
     prefill_heads: dict[str, pulumi.Output[str]] = {}  # prefill instance key -> head IP
@@ -313,10 +310,7 @@ def declare(
         except CoralError as e:
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
-    keys = sorted(infra.images)
-    outputs["images"] = pulumi.Output.all(*(infra.images[k] for k in keys)).apply(
-        lambda amis: json.dumps(dict(zip(keys, amis, strict=True)), sort_keys=True)
-    )
+    outputs["images"] = infra.finish()
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
 
 
@@ -416,18 +410,29 @@ def _gateway(
         )
         return None
     infra.nodes_read_api_key = False  # the gateway checks the key (docs/gateway.md, "API key")
-    return Gateway(
+    network = infra.region(settings.cloud, region)
+    gateway = Gateway(
         "gateway",
         GatewayArgs(
             stack,
             settings,
-            region,
+            network,
+            infra.aws_image(f"gateway:{region}", settings.ami_parameter, network.provider),
             deploy.api_port,
             list(deploy.api_cidrs),
             deploy.api_key_secret,
         ),
-        infra,
     )
+    infra.gateway = gateway.peer
+    return gateway
+
+
+def _infra(
+    fleet: FleetConfig, deploy: DeploySettings, stack: str, images: Mapping[str, str] | None
+) -> Infra:
+    """The run's shared resources (`images`: the AMIs the stack last deployed with)."""
+    order = [(r.cloud, r.region) for r in fleet.regions]
+    return Infra("infra", InfraArgs(stack, deploy, order, dict(images or {})))
 
 
 def _has_endpoint(plan: Plan, inst: Instance) -> bool:
@@ -496,7 +501,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         pulumi.log.warn(line)
     if previous_state is None and previous is not None:  # a stack deployed before states
         previous_state = transition(None, previous, datetime.min.replace(tzinfo=UTC), 0)
-    infra = Infra(stack, deploy, [(r.cloud, r.region) for r in fleet.regions], images)
+    infra = _infra(fleet, deploy, stack, images)
     now = options.clock()
     # New images roll out replica by replica through the states (reconfiguration module doc).
     target = target_images(fleet, deploy, infra)

@@ -19,7 +19,7 @@ import pytest
 
 from coral_iac.bootstrap import render_user_data
 from coral_iac.components import router_spec
-from coral_iac.gateway import (
+from coral_iac.gateway_config import (
     API_KEY_FILE,
     gateway_upstreams,
     render_haproxy_config,

@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from coral_iac.bootstrap import render_user_data
-from coral_iac.gateway import (
+from coral_iac.gateway_config import (
     API_KEY_FILE,
     gateway_upstreams,
     parameter_value,
@@ -220,7 +220,8 @@ def test_router_forwards_the_key_to_vllms_own_check(tmp_path):
     router reach both with the key, a server refuses a call without it, a router holding the
     wrong key gets no answer, and the router itself serves a client that sends no key (why
     only the gateway may reach it)."""
-    from coral_iac.bootstrap import VLLM_ROUTER_VERSION, RouterSpec, router_argv, vllm_argv
+    from coral_iac.bootstrap import VLLM_ROUTER_VERSION
+    from coral_iac.engine_args import RouterSpec, router_argv, vllm_argv
     from tests.unit.test_bootstrap import cases
 
     assert VLLM_PYTHON.exists() and ROUTER.exists(), "scripts/vllm_env creates .vllm-venv"

@@ -16,19 +16,21 @@ import yaml
 
 from coral_iac.bootstrap import (
     MASTER_ADDR_VAR,
+    node_boots,
+    render_start_script,
+    render_user_data,
+)
+from coral_iac.engine_args import (
     EngineSettings,
     NodeBoot,
     RouterSpec,
     instance_engine,
-    node_boots,
     precision_group_bf16,
-    render_start_script,
-    render_user_data,
     vllm_argv,
 )
 from solver.catalog.model_cards import load_model_cards
 from solver.errors import InputError
-from solver.plan.schema import Instance
+from solver.plan_schema import Instance
 from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.factories import data_parallel_template

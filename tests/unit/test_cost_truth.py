@@ -16,7 +16,7 @@ from coral_iac.cli.app import app
 from coral_iac.cost_report import cost_diff_table
 from coral_iac.deploy_settings import DeploySettings, parse_deploy
 from coral_iac.exposure import exposure_warnings, world_open
-from coral_iac.gateway import gateway_region
+from coral_iac.gateway_config import gateway_region
 from coral_iac.gateway_cost import (
     GatewayPrices,
     fleet_for_allocation,
@@ -24,7 +24,7 @@ from coral_iac.gateway_cost import (
     load_gateway_prices,
 )
 from solver.errors import InputError
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 from solver.stack import parse_fleet
 from tests.conftest import REPO, committed_stacks
 

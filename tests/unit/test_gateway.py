@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from datetime import UTC, datetime, timedelta
 
 import pytest
@@ -19,7 +20,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from coral_iac.gateway import (
+from coral_iac.gateway_config import (
     TLS_FILE,
     WEIGHT_MAX,
     gateway_upstreams,
@@ -31,7 +32,7 @@ from coral_iac.gateway import (
 )
 from coral_iac.preview import _ip
 from solver.errors import InputError
-from solver.plan.schema import Instance, Plan, instance_key, template_ref
+from solver.plan_schema import Instance, Plan, instance_key, template_ref
 from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.unit.test_program import stacks_with
@@ -293,6 +294,18 @@ def test_a_configuration_too_large_for_ssm_is_refused():
     config = render_haproxy_config(gateway_upstreams(plan, addresses(plan)), "big", 8000, 2000)
     with pytest.raises(InputError, match="over SSM's 8192"):
         parameter_value(config)
+
+
+def test_the_configuration_renders_without_pulumi():
+    """`coral_iac.gateway_config` (and the vLLM argv of `coral_iac.engine_args`) load no cloud
+    SDK: the Pulumi component is `coral_iac.gateway` alone."""
+    code = (
+        "import sys, coral_iac.gateway_config, coral_iac.engine_args\n"
+        "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('pulumi', 'pulumi_aws'))\n"
+        "print(bad); raise SystemExit(1 if bad else 0)\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 # ------------------------------------------------------------------- the program, under mocks

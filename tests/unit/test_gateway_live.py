@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from coral_iac.gateway import (
+from coral_iac.gateway_config import (
     API_KEY_FILE,
     TLS_FILE,
     gateway_upstreams,

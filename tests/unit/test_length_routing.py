@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from coral_iac.gateway import gateway_upstreams, render_haproxy_config
+from coral_iac.gateway_config import gateway_upstreams, render_haproxy_config
 from solver.errors import InputError
 from solver.plan.length_routing import (
     decide,
@@ -27,8 +27,8 @@ from solver.plan.length_routing import (
     make_buckets,
     share_miss_budget,
 )
-from solver.plan.schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
 from solver.plan.validator import plan_problems
+from solver.plan_schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
 from solver.simulation.workload import model_trace
 from solver.stack import LengthRouting, load_stack, parse_fleet
 from tests.conftest import REPO

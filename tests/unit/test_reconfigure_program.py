@@ -17,8 +17,8 @@ from datetime import UTC, datetime, timedelta
 
 import yaml
 
-from coral_iac.gateway import server_name
-from coral_iac.infra import slug
+from coral_iac.bootstrap import slug
+from coral_iac.gateway_config import server_name
 from solver.operations.reconfiguration import FRONTED, SERVING, FleetState, served_demand
 from tests.conftest import REPO
 
