@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import statistics
+
 import pytest
+import yaml
 
 from solver.errors import InputError
 from solver.performance.analytical import experts_touched, valid_tp_degrees
@@ -33,8 +36,20 @@ def test_moe_touches_all_experts_for_large_batches(perf):
     assert experts_touched(card, 10_000) == pytest.approx(128)
 
 
-def test_unshipped_shape_with_known_gpu_is_accepted(perf):
-    assert perf.layer_time("llama2-70b", "t4x4", "decode", 8, 512).ms > 0
+def test_an_unsold_shape_of_a_known_gpu_is_timed_between_its_sold_neighbours(perf):
+    """No cloud sells an h100x2 node on demand (AWS sells 1 or 8 H100s), but the paper's stacks
+    list it: it is timed as two H100s at TP 2. Its decode layer is faster than on one H100,
+    slower than on the sold h100x8, and slower than half of one H100's (the all-reduce and each
+    GEMM's fixed latency do not split), so a shape without an offer is neither refused nor timed
+    as one GPU."""
+    assert not perf.catalog.node("h100x2").sold and perf.catalog.node("h100x8").sold
+    one, two, eight = (
+        perf.layer_time("llama2-70b", node, "decode", 8, 512)
+        for node in ("h100x1", "h100x2", "h100x8")
+    )
+    assert (one.tp, two.tp, eight.tp) == (1, 2, 8)
+    assert eight.ms < two.ms < one.ms
+    assert two.ms > one.ms / 2
 
 
 @pytest.mark.parametrize(
@@ -148,9 +163,44 @@ def test_plans_use_the_vllm_runtime_and_helix_is_opt_in(perf):
     assert a.gemm_ms == b.gemm_ms and a.attention_ms == b.attention_ms  # same GPU factors
     # Helix's eager per-layer cost, as fitted on its files (vllm: none under CUDA graphs).
     fitted = helix.calibration.runtime("helix").per_gpu["a100-40gb"].decode_layer_ms
-    assert a.overhead_ms == 0 and b.overhead_ms == fitted > 0
+    assert a.overhead_ms == 0 and b.overhead_ms == fitted
+    assert helix.layer_time("llama2-70b", "a100-40gbx1", "decode", 8, 1024).ms == pytest.approx(
+        perf.layer_time("llama2-70b", "a100-40gbx1", "decode", 8, 1024).ms + fitted
+    )
     with pytest.raises(InputError, match="runtime"):
         load_perf_model(runtime="tgi")
+
+
+def test_the_helix_runtime_reproduces_helixs_measured_l4_decode_layers(perf):
+    """Helix measured Llama-2-70B decode layers on one L4 under eager vLLM 0.4, one engine step
+    per layer (solver/data/calibration/helix/llama2-70b_l4_decode.csv, Helix-ASPLOS25). The helix
+    runtime, with its per-layer cost fitted on those files, is within 8% of them (median over the
+    file; calibration.md reports 3.5%), at the decode context the fit recovered; the vllm
+    runtime, which has no such cost, is more than twice as far off. A per-layer cost lost, or
+    charged twice, fails this."""
+    from solver.io import data_path, read_two_column_csv
+    from solver.performance.default_model import load_perf_model
+
+    helix = load_perf_model(runtime="helix")
+    calibration = yaml.safe_load(data_path("calibration.yaml").read_text(encoding="utf-8"))
+    context = calibration["helix_fit"]["decode_context_tokens"]
+    points = [
+        (int(batch), ms)
+        for batch, ms in read_two_column_csv(
+            data_path("calibration/helix/llama2-70b_l4_decode.csv")
+        )
+        if batch > 0
+    ]
+    assert len(points) > 40
+
+    def median_error(model) -> float:
+        return statistics.median(
+            abs(model.layer_time("llama2-70b", "l4x1", "decode", batch, context).ms / ms - 1)
+            for batch, ms in points
+        )
+
+    assert median_error(helix) <= 0.08
+    assert median_error(perf) > 2 * median_error(helix)
 
 
 def test_allreduce_follows_the_node_interconnect(perf):
@@ -191,8 +241,22 @@ def test_every_layer_pays_its_gpus_gemm_latency(perf):
     read_ms = card.active_params_per_layer * card.weight_bytes_per_param / (  # dense: all weights
         node.gpu.memory_bandwidth_gb_s * 1e9 * eff.decode_mem
     ) * 1e3
-    assert eff.gemm_latency_ms > 0
     assert one.gemm_ms == pytest.approx(read_ms + GEMMS_PER_LAYER * eff.gemm_latency_ms, rel=0.02)
+    # The latency does not shard: Vidur's H100 CodeLlama-34B layer (the vendored shape closest to
+    # Llama-2-70B's: hidden 8192, 8 KV heads) at one token takes 0.155x as long per rank at TP 8
+    # as at TP 1, not 1/8. The model's TP 8 / TP 1 ratio is within 20% of that, and above 1/8 by
+    # 10% or more, which a model without the latency (exactly 1/8) would not be.
+    from solver.performance.vidur import load_compute_file, vidur_dir
+
+    rows = load_compute_file(vidur_dir() / "compute_h100_CodeLlama-34b-Instruct-hf_mlp.csv")
+    at_one_token = {r.tp: r.gemm_ms for r in rows if r.num_tokens == 1}
+    measured = at_one_token[8] / at_one_token[1]
+    assert measured == pytest.approx(0.155, abs=0.005)
+    eight = perf.layer_breakdown("llama2-70b", "h100x8", "decode", 1, 1024)[1]
+    assert eight is not None
+    modelled = eight.gemm_ms / one.gemm_ms
+    assert modelled == pytest.approx(measured, rel=0.20)
+    assert modelled >= 1.1 / 8
 
 
 def test_a_perf_model_is_frozen_so_its_memoised_times_never_go_stale(perf):
