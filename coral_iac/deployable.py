@@ -29,18 +29,9 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
             + ": a node priced only under coral:fleet.prices can be planned and simulated, not "
             "deployed; add the offer to the catalog, or remove the node from node_configs"
         )
-    if fleet.library.mode == "paper":
-        problems.append(
-            "coral:fleet.library.mode is 'paper': the paper's template space (data-parallel "
-            "stages, a TP degree per node, multi-node decode pipelines) is for evaluation and "
-            "simulation; stock vLLM runs one TP size per pipeline and PP=1 on the disaggregated "
-            "decode side, so it cannot run these placements; set mode: vllm to deploy"
-        )
-    elif fleet.library.mode != "vllm":
-        problems.append(
-            f"coral:fleet.library.mode is '{fleet.library.mode}': only 'vllm' placements run on "
-            "stock vLLM; set mode: vllm (use general for benchmarks only)"
-        )
+    mode_problem = fleet.library.strategy.deploy_problem()  # paper, general: not on stock vLLM
+    if mode_problem is not None:
+        problems.append(mode_problem)
     budget = fleet.allocation.budget_usd_per_hour
     if budget is not None and any(line.startswith("budget") for line in plan.binding):
         problems.append(

@@ -2,7 +2,7 @@
 
 Parsed once into frozen pydantic models; errors name the key path (`coral:fleet.models.phi-4.
 slo_ms.prefill`) and the fix. Sections: models (SLOs, request shape, demand, serving mode),
-regions, node_configs, library (N_max, rho, runtime mode), availability / gpu_pools / prices
+regions, node_configs, library (N_max, rho, library mode), availability / gpu_pools / prices
 (overrides of the catalog), allocation (boot time and re-plan interval, which give K; budget;
 solver settings), demand_source.
 
@@ -22,6 +22,7 @@ from solver.catalog.market_settings import MarketSettings
 from solver.catalog.user_models import UserModelCard, resolve_entry
 from solver.errors import InputError, unknown_value
 from solver.io import parse_model, read_yaml
+from solver.modes import LIBRARY_MODES, LibraryMode, library_mode
 from solver.types import BUCKET_SEP, FROZEN, LibPhase, Mode
 
 FLEET_KEY = "coral:fleet"
@@ -263,6 +264,12 @@ class LibrarySettings(BaseModel):
         "configs of one GPU with different counts still combine), to see what heterogeneity "
         "buys on this stack.",
     )
+
+    @property
+    def strategy(self) -> LibraryMode:
+        """What `mode` does, as an object the stages call (`solver.modes`): chosen here only,
+        from the name the stack gives (checked when the stack is parsed)."""
+        return LIBRARY_MODES[self.mode]
 
 
 class Region(BaseModel):
@@ -511,14 +518,13 @@ class FleetConfig(BaseModel):
     )
 
     def with_mode(self, mode: str) -> FleetConfig:
-        """This fleet with another runtime mode (e.g. from a `--mode` option).
+        """This fleet with another library mode (e.g. from a `--mode` option).
 
         Raises:
             InputError: an unknown mode.
         """
-        if mode not in ("vllm", "general", "paper"):
-            raise InputError("--mode", f"unknown mode '{mode}'", "use vllm, general or paper")
-        return self.model_copy(update={"library": self.library.model_copy(update={"mode": mode})})
+        name = library_mode(mode, "--mode").name
+        return self.model_copy(update={"library": self.library.model_copy(update={"mode": name})})
 
     def with_target_utilization(self, u: float | None) -> FleetConfig:
         """This fleet buying capacity for demand / u (None: unchanged), e.g. from an option."""

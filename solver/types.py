@@ -1,4 +1,4 @@
-"""The vocabulary every stage shares, defined once: phases, runtime modes, jobs, frozen models."""
+"""The vocabulary every stage shares, defined once: phases, library modes, jobs, frozen models."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ LibPhase = Literal["prefill", "decode", "aggregated"]
 """What a serving template serves: one phase (disaggregated), or both on one pipeline."""
 
 Mode = Literal["vllm", "general", "paper"]
-"""Runtime capability: placements stock vLLM runs; general (the paper's PP+DP space plus per-GPU
-chains); paper (exactly the paper's space: `solver.templates.paper_mode`, evaluation only)."""
+"""A library mode's name (`coral:fleet.library.mode`), the template space a stack plans in: vllm
+(placements stock vLLM runs); general (the paper's PP+DP space plus per-GPU chains); paper
+(exactly the paper's space: `solver.templates.paper_mode`, evaluation only). Its behaviour is a
+`solver.modes.LibraryMode`; not to be confused with the performance model's runtime."""
 
 Job = tuple[str, LibPhase]
 """(model id, library phase): one row of demand and one set of serving templates."""

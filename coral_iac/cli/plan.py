@@ -213,7 +213,7 @@ def make_plan(
     )
     # A deployable stack naming a GPU the pinned vLLM build cannot run is refused before any
     # library is built (solver/data/vllm_build.yaml: V100, sm_70).
-    check_deployable_gpus(fleet.node_configs, fleet.library.mode, stack)
+    check_deployable_gpus(fleet.node_configs, fleet.library.strategy, stack)
     if add_only:
         allocation = fleet.allocation.model_copy(update={"add_only": True})
         fleet = fleet.model_copy(update={"allocation": allocation})

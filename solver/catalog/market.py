@@ -1,15 +1,19 @@
 """What a stack can rent: price and availability per (region, node config), and GPU pools.
 
-Built from the catalog's offers in the stack's regions, with the stack's overrides applied. No
+Built by the stack's market source (`coral:fleet.market`, `MarketSource`): the catalog's offers
+in the stack's regions with the stack's overrides applied, or the paper's Table 1 model. No
 solver imports: the allocator and the plan validator both read it.
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import ClassVar
 
+from solver.catalog.market_settings import MarketKind
 from solver.catalog.offers import Catalog
-from solver.catalog.paper_market import paper_slots
+from solver.catalog.paper_market import paper_node_configs, paper_slots
 from solver.errors import InputError, unknown_value
 from solver.stack import FleetConfig
 
@@ -51,72 +55,134 @@ class Market:
         return total
 
 
+class MarketSource(ABC):
+    """Where a stack's market comes from (`coral:fleet.market.kind`); one frozen instance per
+    kind (`market_source`). Apart from the library mode (`solver.modes`): paper-helix plans in
+    the paper's template space on the catalog market."""
+
+    kind: ClassVar[MarketKind]
+
+    @abstractmethod
+    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+        """The stack's market (its regions checked first by `build_market`)."""
+
+    @abstractmethod
+    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
+        """(node configs sold in some region of the fleet, listed ones sold in none), in the
+        fleet's order: the enumeration's node list (`available_node_configs`)."""
+
+
+@dataclass(frozen=True)
+class CatalogMarket(MarketSource):
+    """The catalog's offers in the stack's regions and node configs, then its overrides."""
+
+    kind: ClassVar[MarketKind] = "catalog"
+
+    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+        """Offers, then the stack's prices and availability overrides.
+
+        Raises:
+            InputError: an availability override for a node no offer or price override prices.
+        """
+        regions = {(r.cloud, r.region) for r in fleet.regions}
+        wanted = set(fleet.node_configs)
+        price: dict[Slot, float] = {}
+        available: dict[Slot, int] = {}
+        for o in catalog.offers:
+            slot: Slot = ((o.cloud, o.region), o.node)
+            if slot[0] in regions and o.node in wanted:
+                price[slot] = o.price_usd_per_hour
+                available[slot] = o.availability
+        for p in fleet.prices:
+            price[((p.cloud, p.region), p.node)] = p.usd_per_hour
+        for i, a in enumerate(fleet.availability):
+            slot = ((str(a.cloud), a.region), a.node)
+            if slot not in price:
+                raise InputError(
+                    f"coral:fleet.availability[{i}]",
+                    f"no offer prices {a.node} in {a.cloud}:{a.region}",
+                    "add a matching entry under coral:fleet.prices, or remove this override",
+                )
+            available[slot] = a.count
+        for slot in price:
+            available.setdefault(slot, 0)
+        pools: dict[tuple[RegionId, str], int] = {
+            ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
+        }
+        gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
+        return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
+
+    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
+        """A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold
+        there, as `build` prices it: paper-helix's a100-40gbx1, l4x2 and t4x2, which AWS does
+        not sell, are Helix's cluster."""
+        regions = {(r.cloud, r.region) for r in fleet.regions}
+        sold = {o.node for o in catalog.offers if (o.cloud, o.region) in regions}
+        sold |= {p.node for p in fleet.prices if (p.cloud, p.region) in regions}
+        return [n for n in fleet.node_configs if n in sold], [
+            n for n in fleet.node_configs if n not in sold
+        ]
+
+
+@dataclass(frozen=True)
+class PaperMarket(MarketSource):
+    """The paper's Table 1 model (`solver.catalog.paper_market`)."""
+
+    kind: ClassVar[MarketKind] = "paper"
+
+    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+        """Table 1's slots at ample availability, then the stack's availability overrides
+        (price overrides do not apply).
+
+        Raises:
+            InputError: an availability override for a slot the paper market does not sell (a GPU
+                Table 1 does not price, or one the region's provider does not offer).
+        """
+        price = paper_slots(fleet, catalog)
+        available = dict.fromkeys(price, fleet.market.nodes_per_slot)
+        for i, a in enumerate(fleet.availability):
+            slot = ((str(a.cloud), a.region), a.node)
+            if slot not in price:
+                raise InputError(
+                    f"coral:fleet.availability[{i}]",
+                    f"the paper market (coral:fleet.market: paper) does not sell {a.node} in "
+                    f"{a.cloud}:{a.region} (Table 1 prices H100, A100, L40S, A10G and L4; GCP "
+                    "offers no L40S or A10G)",
+                    "remove this override, or use market: catalog",
+                )
+            available[slot] = a.count
+        pools: dict[tuple[tuple[str, str], str], int] = {
+            ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
+        }
+        gpu_of = {
+            n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in set(fleet.node_configs)
+        }
+        return Market(price, available, pools, gpu_of)
+
+    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
+        return paper_node_configs(fleet, catalog)
+
+
+# One source per `MarketSettings.kind` (tests/unit/test_modes.py checks it).
+MARKET_SOURCES: dict[str, MarketSource] = {m.kind: m for m in (CatalogMarket(), PaperMarket())}
+
+
+def market_source(fleet: FleetConfig) -> MarketSource:
+    """The stack's market source, chosen here only from `coral:fleet.market.kind` (checked when
+    the stack is parsed)."""
+    return MARKET_SOURCES[fleet.market.kind]
+
+
 def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
-    """The stack's market: catalog offers in its regions and node configs, then its overrides.
+    """The stack's market: its regions checked, then built by its source (`market_source`): the
+    catalog's offers in its regions and node configs with its overrides, or the paper's.
 
     Raises:
         InputError: a region no offer or price override sells in (with the closest known
-            ones), or an availability override for a node no offer or price override prices.
+            ones), or an availability override for a node the market does not price.
     """
     check_regions(fleet, catalog)
-    if fleet.market.kind == "paper":
-        return build_paper_market(fleet, catalog)
-    regions = {(r.cloud, r.region) for r in fleet.regions}
-    wanted = set(fleet.node_configs)
-    price: dict[Slot, float] = {}
-    available: dict[Slot, int] = {}
-    for o in catalog.offers:
-        slot: Slot = ((o.cloud, o.region), o.node)
-        if slot[0] in regions and o.node in wanted:
-            price[slot] = o.price_usd_per_hour
-            available[slot] = o.availability
-    for p in fleet.prices:
-        price[((p.cloud, p.region), p.node)] = p.usd_per_hour
-    for i, a in enumerate(fleet.availability):
-        slot = ((str(a.cloud), a.region), a.node)
-        if slot not in price:
-            raise InputError(
-                f"coral:fleet.availability[{i}]",
-                f"no offer prices {a.node} in {a.cloud}:{a.region}",
-                "add a matching entry under coral:fleet.prices, or remove this override",
-            )
-        available[slot] = a.count
-    for slot in price:
-        available.setdefault(slot, 0)
-    pools: dict[tuple[RegionId, str], int] = {
-        ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
-    }
-    gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
-    return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
-
-
-def build_paper_market(fleet: FleetConfig, catalog: Catalog) -> Market:
-    """The paper market of a stack (`solver.catalog.paper_market`).
-
-    Raises:
-        InputError: an availability override for a slot the paper market does not sell (a GPU
-            Table 1 does not price, or one the region's provider does not offer).
-    """
-    price = paper_slots(fleet, catalog)
-    available = dict.fromkeys(price, fleet.market.nodes_per_slot)
-    for i, a in enumerate(fleet.availability):
-        slot = ((str(a.cloud), a.region), a.node)
-        if slot not in price:
-            raise InputError(
-                f"coral:fleet.availability[{i}]",
-                f"the paper market (coral:fleet.market: paper) does not sell {a.node} in "
-                f"{a.cloud}:{a.region} (Table 1 prices H100, A100, L40S, A10G and L4; GCP "
-                "offers no L40S or A10G)",
-                "remove this override, or use market: catalog",
-            )
-        available[slot] = a.count
-    pools: dict[tuple[tuple[str, str], str], int] = {
-        ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
-    }
-    gpu_of = {
-        n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in set(fleet.node_configs)
-    }
-    return Market(price, available, pools, gpu_of)
+    return market_source(fleet).build(fleet, catalog)
 
 
 def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:

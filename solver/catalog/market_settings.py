@@ -18,12 +18,15 @@ L4_SOURCE = (
 )
 AMPLE_NODES = 1000
 
+MarketKind = Literal["catalog", "paper"]
+"""Where a stack's market comes from; its behaviour is a `solver.catalog.market.MarketSource`."""
+
 
 class MarketSettings(BaseModel):
     """Which market a stack rents from: the catalog's offers, or the paper's Table 1 model."""
 
     model_config = FROZEN
-    kind: Literal["catalog", "paper"] = Field(
+    kind: MarketKind = Field(
         default="catalog",
         description="catalog: solver/data/offers.yaml plus the stack's overrides; paper: Table 1.",
     )

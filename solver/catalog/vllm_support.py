@@ -19,6 +19,7 @@ from pydantic import BaseModel, Field
 from solver.catalog.offers import split_node_id
 from solver.errors import InputError
 from solver.io import data_path, parse_model, read_yaml
+from solver.modes import LibraryMode
 from solver.types import FROZEN
 
 
@@ -93,15 +94,15 @@ def unsupported_gpus(node_configs: list[str], build: VllmBuild | None = None) ->
     return refused
 
 
-def check_deployable_gpus(node_configs: list[str], mode: str, stack: str = "") -> None:
-    """Refuse a deployable stack (`library.mode: vllm`) with a node config the pinned vLLM build
-    cannot run. Other modes are not deployable and pass.
+def check_deployable_gpus(node_configs: list[str], mode: LibraryMode, stack: str = "") -> None:
+    """Refuse a deployable stack (`library.mode: vllm`, `mode.deployable`) with a node config the
+    pinned vLLM build cannot run. Other modes are not deployable and pass.
 
     Raises:
         InputError: naming `coral:fleet.node_configs`, each refused node config and why, and the
             fix (drop them, or plan the stack in general mode for simulation only).
     """
-    if mode != "vllm":
+    if not mode.deployable:
         return
     refused = unsupported_gpus(node_configs)
     if refused:

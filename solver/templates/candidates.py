@@ -1,4 +1,4 @@
-"""What every runtime mode's placement search works on: the T̂ rows of one (model, phase)
+"""What every library mode's placement search works on: the T̂ rows of one (model, phase)
 (`RowSource`), a placed node multiset (`Candidate`), and mode `general`'s own space (every node
 whole in a stage, `general_candidate`), which mode `paper` (`solver.templates.paper_mode`)
 shares. `solver.templates.enumeration` picks each multiset's best candidate over the modes.
@@ -11,6 +11,7 @@ from typing import Literal
 
 import numpy as np
 
+from solver.modes import GeneralMode
 from solver.performance.analytical import valid_tp_degrees
 from solver.performance.perf_model import PerfModel
 from solver.stack import ModelSpec
@@ -164,4 +165,4 @@ def general_candidate(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | No
     procs = tuple(
         (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
     )
-    return Candidate(nodes, "general", placement, procs)
+    return Candidate(nodes, GeneralMode.name, placement, procs)

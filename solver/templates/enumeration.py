@@ -3,15 +3,16 @@
 A serving template is (model, phase, SLO, mode, node multiset, placement, throughput). For each
 (model, phase) of a stack this module enumerates multisets of at most N_max nodes whose total GPU
 memory lies in [weights, rho x weights], finds each one's throughput-optimal placement
-(`solver.templates.placement_search`) under the runtime mode; `solver.templates.pruning` then
-drops dominated templates.
+(`solver.templates.placement_search`) in the library mode's space; `solver.templates.pruning`
+then drops dominated templates.
 
-Runtime modes:
+Library modes (`solver.modes`: each mode's `candidates` picks among the searches here):
 - general: the paper's space, any set partition of the nodes into S stages (DP inside a stage),
-  each node at its best TP degree, per-stage budget SLO/S.
+  each node at its best TP degree, per-stage budget SLO/S; plus vLLM's per-GPU chains.
 - vllm: what stock vLLM runs: a chain with one stage per node at one TP size (nodes all of one GPU
   count), or one stage per GPU at TP=1 (any mix of node sizes). Decode templates are single-node
   (NixlConnector needs PP=1 on the decode side).
+- paper: exactly the paper's space, decode pipelines coupled (`solver.templates.paper_mode`).
 
 Phases: prefill and decode are throughput in tokens/s of that phase. Aggregated (one replica serves
 both) is in requests/s at the model's mean prompt/output lengths: each stage time-shares between
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 
+from solver.catalog.market import market_source
 from solver.catalog.offers import Catalog
-from solver.catalog.paper_market import paper_node_configs
+from solver.modes import LibraryMode, VllmMode, library_mode
 from solver.performance.analytical import valid_tp_degrees
 from solver.stack import FleetConfig
 from solver.templates.candidates import Candidate, general_candidate
@@ -39,20 +42,14 @@ from solver.types import Mode
 
 
 def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-    """(node configs sold in the fleet's regions, listed ones no offer there sells).
+    """(node configs sold in the fleet's regions, listed ones no offer there sells), as the
+    stack's market source says (`solver.catalog.market.MarketSource.node_configs`).
 
     A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold there,
     as the market (`build_market`) prices it: paper-helix's a100-40gbx1, l4x2 and t4x2, which
     AWS does not sell, are Helix's cluster.
     """
-    if fleet.market.kind == "paper":
-        return paper_node_configs(fleet, catalog)
-    regions = {(r.cloud, r.region) for r in fleet.regions}
-    sold = {o.node for o in catalog.offers if (o.cloud, o.region) in regions}
-    sold |= {p.node for p in fleet.prices if (p.cloud, p.region) in regions}
-    return [n for n in fleet.node_configs if n in sold], [
-        n for n in fleet.node_configs if n not in sold
-    ]
+    return market_source(fleet).node_configs(fleet, catalog)
 
 
 def enumerate_multisets(
@@ -76,26 +73,58 @@ def enumerate_multisets(
                 yield combo
 
 
-def best_candidate(rows: RowSource, nodes: tuple[str, ...], mode: Mode) -> Candidate | None:
-    """Best placement of one multiset under the mode; None when nothing fits the budgets."""
-    if mode == "paper":
-        return paper_candidate(rows, nodes)
-    if mode == "general":
-        # The paper's space; vLLM's chains are runnable too, so general includes them.
-        candidates = [general_candidate(rows, nodes), _vllm_per_gpu(rows, nodes, decode_pp1=False)]
-    elif rows.phase == "decode" and len(nodes) > 1:
-        return None  # vLLM disaggregated decode runs PP=1
-    else:
-        candidates = [_vllm_per_gpu(rows, nodes)]
-    counts = {rows.perf.catalog.node(n).gpu_count for n in nodes}
-    if len(counts) == 1 and mode == "vllm":
-        candidates.append(vllm_per_node(rows, nodes))
-    found = [c for c in candidates if c is not None]
+def best_candidate(
+    rows: RowSource, nodes: tuple[str, ...], mode: LibraryMode | Mode
+) -> Candidate | None:
+    """Best placement of one multiset in the mode's space; None when nothing fits the budgets.
+
+    Args:
+        mode: the stack's mode (`fleet.library.strategy`); a mode's name (as a script passes
+            `fleet.library.mode`) is looked up.
+    """
+    strategy = library_mode(mode) if isinstance(mode, str) else mode
+    found = [c for c in strategy.candidates(_Searches(rows, nodes)) if c is not None]
     return max(found, key=lambda c: c.throughput, default=None)
 
 
-def vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
-    """One stage per node, all at the largest TP degree the (uniform) node size allows.
+@dataclass(slots=True)
+class _Searches:
+    """The placement searches of one multiset (`solver.modes.PlacementSearches`), which a
+    mode's `candidates` picks from."""
+
+    rows: RowSource
+    nodes: tuple[str, ...]
+
+    @property
+    def decode(self) -> bool:
+        return self.rows.phase == "decode"
+
+    @property
+    def node_count(self) -> int:
+        return len(self.nodes)
+
+    @property
+    def one_gpu_count(self) -> bool:
+        return len({self.rows.perf.catalog.node(n).gpu_count for n in self.nodes}) == 1
+
+    def set_partition(self) -> Candidate | None:
+        return general_candidate(self.rows, self.nodes)
+
+    def paper(self) -> Candidate | None:
+        return paper_candidate(self.rows, self.nodes)
+
+    def per_gpu_chain(self, label: Mode, decode_pp1: bool) -> Candidate | None:
+        return _vllm_per_gpu(self.rows, self.nodes, label, decode_pp1)
+
+    def per_node_chain(self, label: Mode) -> Candidate | None:
+        return vllm_per_node(self.rows, self.nodes, label)
+
+
+def vllm_per_node(
+    rows: RowSource, nodes: tuple[str, ...], label: Mode = VllmMode.name
+) -> Candidate | None:
+    """One stage per node, all at the largest TP degree the (uniform) node size allows,
+    labelled with the mode `label` (vllm, the one mode whose space holds it).
 
     Pipeline order: by node config, except that the config whose node ends the chain best (the
     last stage sends no hop) goes last; the sorted order wins ties.
@@ -109,14 +138,15 @@ def vllm_per_node(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None:
         placement = place_chain(table, rows.layers)
         if placement is not None and (best is None or placement.throughput > best.throughput):
             procs = tuple((k, tuple(range(tp)), tp) for k in order)
-            best = Candidate(nodes, "vllm", placement, procs)
+            best = Candidate(nodes, label, placement, procs)
     return best
 
 
 def _vllm_per_gpu(
-    rows: RowSource, nodes: tuple[str, ...], decode_pp1: bool = True
+    rows: RowSource, nodes: tuple[str, ...], label: Mode, decode_pp1: bool
 ) -> Candidate | None:
-    """One vLLM process per GPU (TP=1), each its own pipeline stage.
+    """One vLLM process per GPU (TP=1), each its own pipeline stage, labelled with the mode
+    `label` whose space it is placed in; with `decode_pp1`, decode only on a single GPU.
 
     Pipeline order: by GPU type, then node, then GPU, except that the GPU type whose process
     ends the chain best (the last stage sends no hop) goes last; the sorted order wins ties. A
@@ -135,7 +165,7 @@ def _vllm_per_gpu(
         )
         placement = rows.chain_over_gpus(tuple(cfgs[k].gpu_id for k, _, _ in procs))
         if placement is not None and (best is None or placement.throughput > best.throughput):
-            best = Candidate(nodes, "vllm" if decode_pp1 else "general", placement, procs)
+            best = Candidate(nodes, label, placement, procs)
     return best
 
 

@@ -55,7 +55,7 @@ class _Placer:
             self.rows[job] = RowSource(
                 self.perf, model, phase, self.fleet.models[model], self.nodes
             )
-        rows, mode = self.rows[job], self.fleet.library.mode
+        rows, mode = self.rows[job], self.fleet.library.strategy
         return [c for ms in chunk if (c := best_candidate(rows, ms, mode)) is not None]
 
 

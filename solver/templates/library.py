@@ -117,11 +117,13 @@ def input_hashes(
         ),
         "n_max": digest(fleet.library.n_max),
         "rho": digest(fleet.library.rho),
+        # The library mode by its name (the template space), apart from the runtime whose
+        # overheads `perf_model` records (`perf.runtime`: vllm or helix).
         "mode": digest(fleet.library.mode),
     }
     if not fleet.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
         hashes["mixing"] = digest(False)
-    if fleet.library.mode == "paper" and phase == "decode":  # coupled decode pipelines
+    if fleet.library.strategy.coupled_decode(phase):  # the paper's coupled decode pipelines
         hashes["placement"] = digest(COUPLED_DECODE_VERSION)
     return hashes
 

@@ -1,6 +1,6 @@
 """The paper's template space (Sec. 4.2): one stage per node, TP inside a node, DP in a stage.
 
-Runtime mode `paper` places a node multiset exactly as the paper's per-template ILP allows:
+Library mode `paper` places a node multiset exactly as the paper's per-template ILP allows:
 
 - every node is assigned whole to exactly one pipeline stage (a set partition of the nodes);
 - inside a node, its GPUs serve the stage with tensor parallelism (the profile entry's TP degree,
@@ -27,11 +27,12 @@ from dataclasses import replace
 
 import numpy as np
 
+from solver.modes import PaperMode
 from solver.templates.candidates import Candidate, RowSource, general_candidate
 from solver.templates.placement_search import Placement, place_coupled, place_fast
 from solver.types import Mode
 
-PAPER_MODE: Mode = "paper"
+PAPER_MODE: Mode = PaperMode.name  # the label of this space's candidates
 # The coupled decode search's grids: periods geometric from PERIOD_FLOOR x the per-stage budget
 # to the budget (ratio 1.04 between neighbours), micro-batches every integer up to 32 then
 # geometric (ratio 1.03), plus every T̂ entry's own batch.

@@ -20,6 +20,7 @@ from solver.catalog.vllm_support import (
     unsupported_gpus,
 )
 from solver.errors import InputError
+from solver.modes import GeneralMode, PaperMode, VllmMode, library_mode
 from tests.conftest import REPO
 
 BUILD = load_vllm_build()
@@ -65,13 +66,13 @@ def test_only_the_v100_is_refused():
 
 def test_a_deployable_stack_with_a_v100_is_refused_naming_the_key_and_the_fix():
     with pytest.raises(InputError) as exc:
-        check_deployable_gpus(["l4x1", "v100x1"], "vllm", "s")
+        check_deployable_gpus(["l4x1", "v100x1"], VllmMode(), "s")
     text = str(exc.value)
     assert "stacks/Pulumi.s.yaml coral:fleet.node_configs" in text
     assert "v100x1" in text and "remove v100x1 from node_configs" in text
-    for mode in ("general", "paper"):  # not deployable: simulation only
+    for mode in (GeneralMode(), PaperMode()):  # not deployable: simulation only
         check_deployable_gpus(["l4x1", "v100x1"], mode, "s")
-    check_deployable_gpus(["l4x1", "t4x4"], "vllm", "s")
+    check_deployable_gpus(["l4x1", "t4x4"], VllmMode(), "s")
 
 
 def test_an_unknown_gpu_is_an_error_naming_the_data_file():
@@ -96,4 +97,5 @@ def test_no_committed_vllm_stack_names_a_gpu_the_build_cannot_run():
     for path in sorted((REPO / "stacks").glob("Pulumi.*.yaml")):
         fleet = yaml.safe_load(path.read_text())["config"]["coral:fleet"]
         mode = fleet.get("library", {}).get("mode", "vllm")
-        check_deployable_gpus(fleet["node_configs"], mode, path.stem.removeprefix("Pulumi."))
+        stack = path.stem.removeprefix("Pulumi.")
+        check_deployable_gpus(fleet["node_configs"], library_mode(mode), stack)
