@@ -22,6 +22,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
+from solver.evaluation.paper_results import paper_results
+from solver.evaluation.scenarios import scenario_of_stack
 from solver.performance.default_model import load_perf_model
 from solver.plan.planner import libraries_for, plan_stack, stack_demand
 from solver.plan.validator import validate_plan
@@ -36,15 +38,13 @@ STACKS = [
     "paper-extended-large-heavy",
     "paper-extended-small-heavy",
 ]
-PAPER = {  # paper Sec. 6: Homo / Coral and Cauchy / Coral cost ratios, solve times
-    "paper-core": "1.62x / 1.60x cheaper; 0.24 s",
-    "paper-extended": "3.14x / 2.66x cheaper; 9.68 s",
-    "paper-core-scarce": "same cost as Homo at 1.24x goodput; 1.51x cheaper than Cauchy; 0.11 s",
-    "paper-extended-scarce": "7.64x Homo goodput; 2.39x Cauchy goodput at 1.25x lower cost; 41 s",
-    "paper-extended-large-heavy": "2.79x / 3.47x cheaper",
-    "paper-extended-small-heavy": "2.34x / 1.64x cheaper",
-}
 console = Console(width=200)
+
+
+def paper_claim(stack: str) -> str:
+    """The paper's Sec. 6 ratios and solve time for a scenario stack (solver/data/paper_results.yaml)."""
+    key = scenario_of_stack(stack)
+    return "" if key is None else paper_results().summary(key, with_solve_time=True)
 
 
 def main(
@@ -133,7 +133,7 @@ def main(
             f"{cauchy.served_fraction:.3f}",
             _ratio(homo, coral),
             _ratio(cauchy, coral),
-            PAPER.get(name, ""),
+            paper_claim(name),
         ]
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")

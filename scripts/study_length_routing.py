@@ -49,13 +49,12 @@ from typing import Any
 import numpy as np
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+from solver.io import data_path
+from solver.simulation.traces import Trace, load_trace_csv
+from solver.simulation.workload import PACKAGED_TRACES, request_rate, trace_window
+from solver.stack import ModelSpec, load_stack
 
-from solver.io import data_path  # noqa: E402
-from solver.simulation.traces import Trace, load_trace_csv  # noqa: E402
-from solver.simulation.workload import PACKAGED_TRACES, request_rate, trace_window  # noqa: E402
-from solver.stack import ModelSpec, load_stack  # noqa: E402
+REPO = Path(__file__).resolve().parents[1]
 
 LIBRARIES = REPO / ".coral" / "library" / "study-length-routing"
 DEFAULT_PAIRS = [

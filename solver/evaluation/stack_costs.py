@@ -21,8 +21,9 @@ from solver.plan.schema import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 # The CLI of the checkout in --root (another commit's work tree gives that commit's numbers,
-# with this environment's packages).
-CLI = "import sys; sys.path.insert(0, '.'); from coral_iac.cli.app import app; app()"
+# with this environment's packages): `python -c` runs with the working directory (the
+# checkout) first on the import path, ahead of the installed package.
+CLI = "from coral_iac.cli.app import app; app()"
 
 
 def committed_stacks(root: Path = ROOT) -> list[str]:

@@ -33,8 +33,9 @@ ROOTS = ("solver", "coral_iac")
 # of its packages, and may import its own layer (without a cycle) and those below it. A new
 # module in a listed package needs no entry; a new package or top-level module needs one.
 LAYERS: list[tuple[str, ...]] = [
-    # Vocabulary every stage shares (phases, jobs, frozen models), the errors, timers.
-    ("solver.types", "solver.errors", "solver.timing"),
+    # Vocabulary every stage shares (phases, jobs, frozen models), the library modes' strategies
+    # (what differs between vllm, general and paper), the errors, timers.
+    ("solver.types", "solver.modes", "solver.errors", "solver.timing"),
     # Reading and writing files (YAML, JSON, digests, atomic writes).
     ("solver.io",),
     # What can be rented and served, before any stack: GPU types, node configs, offers, model
@@ -64,8 +65,9 @@ LAYERS: list[tuple[str, ...]] = [
     ("solver.plan",),
     # Beside the pipeline: demand rules and the safe-reconfiguration state machine.
     ("solver.operations",),
-    # Exact but slow test oracles, and evaluation against outside references (Vidur): they may
-    # use any stage and no stage uses them.
+    # Exact but slow test oracles, and the evaluation: the paper's scenarios, its comparison,
+    # the measurements behind it, Helix and the figures (`coral bench paper`, ...), and outside
+    # references (Vidur). They may use any stage and no stage uses them.
     ("solver.oracles", "solver.evaluation"),
     # The deployment side's pure parts: the project folder, the stack's `deploy` section, demand
     # sources with I/O, model files, quotas, what a plan needs to deploy, each vLLM process's
@@ -121,18 +123,6 @@ KNOWN_UNCOMMENTED: dict[str, tuple[str, ...]] = {
         "vidur.types",
         "vidur.utils.memory_planner",
         "vidur.utils.random",
-    ),
-    "coral_iac.cli.bench": (
-        "coral_iac.demand_sources",
-        "matplotlib",
-        "matplotlib.pyplot",
-        "solver.errors",
-        "solver.io",
-        "solver.performance.default_model",
-        "solver.plan.attainment",
-        "solver.plan.demand",
-        "solver.plan.planner",
-        "solver.simulation.workload",
     ),
     "coral_iac.cli.catalog": (
         "solver.catalog.model_cards",

@@ -1,35 +1,34 @@
-"""scripts/paper_eval.py (#19 item 4): the granularity relaxation never costs more than whole
-instances (and less when an instance is partly idle), and the table builder runs a tiny stack
-end to end in both variants and reports ratios that follow from the plans' own numbers."""
+"""The paper comparison (`solver/evaluation/`, `coral bench paper`): the granularity relaxation
+never costs more than whole instances (and less when an instance is partly idle), and the table
+builder runs a tiny stack end to end in both variants and reports ratios that follow from the
+plans' own numbers."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import yaml
 
-from solver.catalog.market import Market
+import solver.evaluation.paper_comparison as pe
+from solver.catalog.market import Market, build_market
+from solver.evaluation.relaxation import fractional_cost, lp_relaxation, relaxed_cost
+from solver.evaluation.scenarios import (
+    Planned,
+    Scenario,
+    scale_demand,
+    scenario,
+    scenario_fleet,
+)
 from solver.plan.planner import plan_stack
 from solver.plan_schema import template_ref
+from solver.stack import load_stack
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf, rps_needing
 
 ROOT = Path(__file__).resolve().parents[2]
 R = ("aws", "r")
-
-
-@pytest.fixture(scope="module")
-def pe() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("paper_eval", ROOT / "scripts/paper_eval.py")
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules["paper_eval"] = mod
-    spec.loader.exec_module(mod)
-    return mod
 
 
 def one_job_market(avail_x: int) -> tuple[Market, dict[Any, list[Any]]]:
@@ -49,21 +48,27 @@ def one_job_market(avail_x: int) -> tuple[Market, dict[Any, list[Any]]]:
     return market, templates
 
 
-def test_lp_relaxation_buys_fractions_and_respects_availability(pe: ModuleType, monkeypatch):
-    demand = {("phi-4", "prefill"): 150.0}
-    monkeypatch.setattr(pe, "stack_demand", lambda f: demand)
+def test_lp_relaxation_buys_fractions_and_respects_availability():
     f = fleet(models={"phi-4": SMALL_FLEET["models"]["phi-4"]})
+    u = f.allocation.target_utilization
+    demand = {("phi-4", "prefill"): 150.0 * u}  # capacity needed: 150 units
+
+    def lp(market: Market, templates: dict[Any, list[Any]], fraction: float) -> float | None:
+        return lp_relaxation(f, market, templates, fraction, demand=demand)
+
     market, templates = one_job_market(avail_x=50)
-    assert pe.lp_relaxation(f, market, templates, 1.0) == pytest.approx(1.5)  # 1.5 x; ILP: 2
+    assert lp(market, templates, 1.0) == pytest.approx(1.5)  # 1.5 x; ILP: 2
     market, templates = one_job_market(avail_x=1)
-    assert pe.lp_relaxation(f, market, templates, 1.0) == pytest.approx(2.0)  # 1 x + 0.5 y
-    assert pe.lp_relaxation(f, market, templates, 0.5) == pytest.approx(0.75)
+    assert lp(market, templates, 1.0) == pytest.approx(2.0)  # 1 x + 0.5 y
+    assert lp(market, templates, 0.5) == pytest.approx(0.75)
     market, templates = one_job_market(avail_x=0)
     market.available[(R, "y")] = 1
-    assert pe.lp_relaxation(f, market, templates, 1.0) is None  # 100 units < 150
+    assert lp(market, templates, 1.0) is None  # 100 units < 150
+    market, templates = one_job_market(avail_x=50)
+    assert lp(market, {}, 1.0) is None  # no template serves the job
 
 
-def test_relaxed_cost_is_at_most_the_whole_instance_cost(pe: ModuleType):
+def test_relaxed_cost_is_at_most_the_whole_instance_cost():
     """On the small real stack: a demand of 1.5 instances of phi-4's l40sx1 prefill leaves an
     instance half idle; both relaxations cost less than the plan, and never more."""
     rps = rps_needing("phi-4", "prefill", "l40sx1", 1.5)
@@ -75,9 +80,9 @@ def test_relaxed_cost_is_at_most_the_whole_instance_cost(pe: ModuleType):
     factors = {template_ref(*job, t.key): 1.0 for job, lib in libs.items() for t in lib.templates}
     for method in ("coral", "cauchy", "homo"):
         plan = plan_stack("small", f, perf().catalog, libs, None, method, factors)
-        planned = pe.Planned(plan, factors, libs, 0.0)
-        relaxed = pe.relaxed_cost(planned, f, perf(), method)
-        frac = pe.fractional_cost(plan, f)
+        planned = Planned(plan, factors, libs, 0.0)
+        relaxed = relaxed_cost(planned, f, perf(), method)
+        frac = fractional_cost(plan, f)
         assert 0 < relaxed <= frac + 1e-9 <= plan.hourly_cost_usd + 1e-9, method
         assert relaxed < plan.hourly_cost_usd - 1e-6, method
 
@@ -100,11 +105,10 @@ def write_tiny_stack(folder: Path) -> None:
     (folder / "Pulumi.tiny.yaml").write_text(yaml.safe_dump(doc), encoding="utf-8")
 
 
-def test_table_builder_on_a_tiny_stack(pe: ModuleType, tmp_path: Path):
+def test_table_builder_on_a_tiny_stack(tmp_path: Path):
     write_tiny_stack(tmp_path)
-    sc = pe.Scenario(
-        "tiny", "core", "tiny", paper={"homo": pe._r(1.62, None, "1.62x cheaper"), "cauchy": None}
-    )
+    claim = {"cost": 1.62, "goodput": None, "text": "1.62x cheaper"}
+    sc = Scenario("tiny", "core", "tiny", paper={"homo": claim})
     result = {"commit": "test", "date": "today", "workers": 1, "seconds": 0.0}
     result["scenarios"] = {
         "tiny": pe.run_scenario(sc, ["paper", "ours"], perf(), 1, tmp_path, tmp_path / "cache")
@@ -138,7 +142,7 @@ def test_table_builder_on_a_tiny_stack(pe: ModuleType, tmp_path: Path):
     assert f"{cmp['homo']['ours']['cost']:.2f}x" in text
 
 
-def test_by_phase_ratios_compose_to_the_total_and_skip_scarce_rows(pe):
+def test_by_phase_ratios_compose_to_the_total_and_skip_scarce_rows():
     """The by-phase table: each phase's baseline/Coral ratio, which weighted by Coral's phase
     shares gives the total; a scenario where a method serves less than all is left out."""
 
@@ -159,7 +163,7 @@ def test_by_phase_ratios_compose_to_the_total_and_skip_scarce_rows(pe):
     assert lines == ["| a | ours | 40% | homo | 2.00x | 0.50x | 1.40x |"]
 
 
-def test_decomposition_multiplies_to_the_ratio_and_names_each_part(pe):
+def test_decomposition_multiplies_to_the_ratio_and_names_each_part():
     """template x SLO discount x whole instances = the baseline's $/h over Coral's, each part a
     quotient of costs over the same needs; rows serving less than all have no decomposition."""
 
@@ -187,32 +191,32 @@ def test_decomposition_multiplies_to_the_ratio_and_names_each_part(pe):
     assert "| s | v | homo | prefill | 4.00x | 2.00x | 2.00x | 1.00x |" in lines
 
 
-def test_scarce_pools_cover_every_gpu_the_paper_market_sells(pe):
+def test_scarce_pools_cover_every_gpu_the_paper_market_sells():
     """The paper market sells H100/A100 in every region; a scarce stack's pools list only what
     the real catalog sells. In the paper variant the unlisted (region, GPU) pairs get 0 GPUs,
     so the scarce plan cannot buy outside the pools (it used to plan as the default one)."""
     cat = perf().catalog
-    sc = next(s for s in pe.SCENARIOS if s.key == "extended/scarce")
-    committed = pe.load_stack(ROOT / "stacks", sc.stack)
-    fleet = pe.scenario_fleet(sc, "paper", ROOT / "stacks", cat)
+    sc = scenario("extended/scarce")
+    committed = load_stack(ROOT / "stacks", sc.stack)
+    fleet = scenario_fleet(sc, "paper", ROOT / "stacks", cat)
     pools = {(p.cloud, p.region, p.gpu): p.gpus for p in fleet.gpu_pools}
     for p in committed.gpu_pools:
         assert pools[(p.cloud, p.region, p.gpu)] == p.gpus
     assert pools[("aws", "ap-northeast-2", "h100")] == 0
     assert pools[("aws", "us-east-2", "a100-80gb")] == 0
-    market = pe.build_market(fleet, cat)
+    market = build_market(fleet, cat)
     sold = {(r, market.gpu_of[n][0]) for r, n in market.price}
     assert sold <= set(market.gpu_pools)
-    default = next(s for s in pe.SCENARIOS if s.key == "extended/default")
-    assert not pe.scenario_fleet(default, "paper", ROOT / "stacks", cat).gpu_pools
+    default = scenario("extended/default")
+    assert not scenario_fleet(default, "paper", ROOT / "stacks", cat).gpu_pools
 
 
-def test_demand_scale_multiplies_every_model_and_is_named_in_the_header(pe):
+def test_demand_scale_multiplies_every_model_and_is_named_in_the_header():
     cat = perf().catalog
-    sc = next(s for s in pe.SCENARIOS if s.key == "extended/default")
-    fleet = pe.scenario_fleet(sc, "paper", ROOT / "stacks", cat)
-    assert pe.scale_demand(fleet, 1.0) is fleet
-    tripled = pe.scale_demand(fleet, 3.0)
+    sc = scenario("extended/default")
+    fleet = scenario_fleet(sc, "paper", ROOT / "stacks", cat)
+    assert scale_demand(fleet, 1.0) is fleet
+    tripled = scale_demand(fleet, 3.0)
     for m, spec in fleet.models.items():
         assert tripled.models[m].demand.requests_per_s == pytest.approx(
             3 * spec.demand.requests_per_s
