@@ -156,7 +156,7 @@ class PaperMode(LibraryMode):
         )
 
 
-# One strategy per `Mode`, in its order (tests/unit/test_modes.py checks it).
+# One strategy per `Mode`, in its order (tests/templates/test_modes.py checks it).
 LIBRARY_MODES: dict[str, LibraryMode] = {
     m.name: m for m in (VllmMode(), GeneralMode(), PaperMode())
 }

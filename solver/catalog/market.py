@@ -163,7 +163,7 @@ class PaperMarket(MarketSource):
         return paper_node_configs(fleet, catalog)
 
 
-# One source per `MarketSettings.kind` (tests/unit/test_modes.py checks it).
+# One source per `MarketSettings.kind` (tests/templates/test_modes.py checks it).
 MARKET_SOURCES: dict[str, MarketSource] = {m.kind: m for m in (CatalogMarket(), PaperMarket())}
 
 

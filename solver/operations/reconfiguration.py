@@ -28,7 +28,7 @@ again (it never stopped).
 
 Serving capacity (what the gateway spreads new requests over) is `ready` + `retiring`. Over any
 sequence of runs, the capacity of every (model, phase) never falls below the smaller of its
-demand and its capacity before the run (tests/property/test_reconfigure_properties.py).
+demand and its capacity before the run (tests/operations/test_reconfigure_properties.py).
 
 Readiness comes from health where it can be seen: the gateway health-checks every aggregated
 and decode head and publishes which pass (`up`, member ids). With such a report, one of those

@@ -26,11 +26,11 @@ from coral_iac.gateway_config import (
     render_health_script,
     server_name,
 )
+from tests.deploy.test_bootstrap import HEAD_IP, LAYERS, boots_for, template
+from tests.deploy.test_gateway import make_plan, serving_keys
+from tests.deploy.test_gateway_live import _wait_until_listening
 from tests.serving import harness
 from tests.serving.harness import CPU_FLAGS, Metadata, call, fake_cli, free_port, lay_out
-from tests.unit.test_bootstrap import HEAD_IP, LAYERS, boots_for, template
-from tests.unit.test_gateway import make_plan, serving_keys
-from tests.unit.test_gateway_live import _wait_until_listening
 
 pytestmark = pytest.mark.serving
 REPO = Path(__file__).resolve().parents[2]

@@ -31,8 +31,8 @@ from coral_iac.gateway_config import (
     render_haproxy_config,
 )
 from tests.conftest import REPO
-from tests.unit.test_gateway import _files
-from tests.unit.test_gateway_live import (
+from tests.deploy.test_gateway import _files
+from tests.deploy.test_gateway_live import (
     _free_port,
     _wait_until_listening,
     install_stand_in,
@@ -222,7 +222,7 @@ def test_router_forwards_the_key_to_vllms_own_check(tmp_path):
     only the gateway may reach it)."""
     from coral_iac.bootstrap import VLLM_ROUTER_VERSION
     from coral_iac.engine_args import RouterSpec, router_argv, vllm_argv
-    from tests.unit.test_bootstrap import cases
+    from tests.deploy.test_bootstrap import cases
 
     assert VLLM_PYTHON.exists() and ROUTER.exists(), "scripts/vllm_env creates .vllm-venv"
     version = subprocess.run(

@@ -1,7 +1,7 @@
 """The capacity-at-target model's invariants (`solver/plan/slo_capacity.py`), on random templates
 and workloads: a factor lies in [0, 0.98]; a higher attainment target, a burstier arrival
 process or longer prompts never raise it. The plan's cost follows (a smaller capacity for every
-template can only raise the optimum): `tests/unit/test_attainment.py` checks that on a stack."""
+template can only raise the optimum): `tests/plan/test_attainment.py` checks that on a stack."""
 
 from __future__ import annotations
 

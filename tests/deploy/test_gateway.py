@@ -1,7 +1,7 @@
 """The gateway: upstreams and weights from the plan, rendered HAProxy configuration and cloud-init
 (golden files, `haproxy -c`, `cloud-init schema`, shellcheck), and the Pulumi program's gateway
 under mocks. Golden files live in tests/golden/gateway/; `CORAL_ACCEPT=1` rewrites them.
-The real-proxy loopback test is tests/unit/test_gateway_live.py.
+The real-proxy loopback test is tests/deploy/test_gateway_live.py.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from solver.errors import InputError
 from solver.plan_schema import Instance, Plan, instance_key, template_ref
 from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
-from tests.unit.test_program import stacks_with
+from tests.deploy.test_program import stacks_with
 
 GOLDEN = REPO / "tests" / "golden" / "gateway"
 

@@ -37,7 +37,7 @@ from coral_iac.gateway_config import (
     render_health_script,
     server_name,
 )
-from tests.unit.test_gateway import _files, make_plan, self_signed, serving_keys
+from tests.deploy.test_gateway import _files, make_plan, self_signed, serving_keys
 
 WEIGHT_TOLERANCE = 0.05  # |observed share - weight share| for 300 requests over 2 replicas
 FALL = 3  # HAProxy's `fall`: failed checks before a server is marked DOWN

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from coral_iac.deployable import unverified_placements
 from solver.plan_schema import template_ref
-from tests.unit.test_bootstrap import template
-from tests.unit.test_gateway import make_plan
+from tests.deploy.test_bootstrap import template
+from tests.deploy.test_gateway import make_plan
 
 ROWS = [
     ("llama3.1-70b", "prefill", "l40sx1", "l40sx1", 4000.0, 2),

@@ -32,8 +32,8 @@ from solver.plan_schema import LengthBucket, ModelAttainment, Plan, RoutingDecis
 from solver.simulation.workload import model_trace
 from solver.stack import LengthRouting, load_stack, parse_fleet
 from tests.conftest import REPO
-from tests.unit.test_gateway import GOLDEN, make_plan, serving_keys
-from tests.unit.test_gateway_live import FakeVllm, _free_port, _wait_until_listening
+from tests.deploy.test_gateway import GOLDEN, make_plan, serving_keys
+from tests.deploy.test_gateway_live import FakeVllm, _free_port, _wait_until_listening
 
 runner = CliRunner()
 
