@@ -39,7 +39,7 @@ from coral_iac.engine_args import (
     vllm_argv,
 )
 from solver.errors import InputError
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.serving_template import ServingTemplate
 from solver.types import base_model
 
 VLLM_VERSION = "0.33.0"  # pinned; tests run this version's own checks on every rendered node

@@ -64,8 +64,8 @@ from solver.performance.perf_model import PerfModel
 from solver.plan.length_routing import fleet_for_plan
 from solver.plan.planner import plan_with_library
 from solver.plan_schema import Instance, Plan, template_ref
+from solver.serving.instance_model import InstanceModel
 from solver.stack import FLEET_KEY, FleetConfig, parse_fleet
-from solver.templates.instance_model import InstanceModel
 from solver.types import base_model
 
 

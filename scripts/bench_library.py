@@ -19,8 +19,8 @@ from rich.console import Console
 from rich.table import Table
 
 from solver.performance.default_model import load_perf_model
+from solver.serving.library import Library, build_libraries
 from solver.stack import FleetConfig, load_stack
-from solver.templates.library import Library, build_libraries
 
 STACKS = Path(__file__).resolve().parents[1] / "stacks"
 FINDING_MODEL, FINDING_PHASE = "qwen3-235b-a22b", "prefill"

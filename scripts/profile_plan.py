@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 # ILP, closed-loop simulation, verification), by where they live.
 PHASES = {
     "solver/plan/planner.py:libraries_for": "library load",
-    "solver/plan/slo_capacity.py:capacity_factors": "SLO capacity model",
+    "solver/capacity/slo_capacity.py:capacity_factors": "SLO capacity model",
     "solver/allocation/solve.py:solve_allocation": "ILP (all solves)",
     "solver/allocation/solve.py:_most_served": "ILP: most-served (scarce)",
     "solver/plan/attainment.py:simulate_workload": "closed-loop simulation",

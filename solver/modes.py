@@ -6,7 +6,7 @@ hashes); `LibrarySettings.strategy` turns it into one of the objects below, here
 else, and the stages call their methods instead of comparing names:
 
 - which placement searches a multiset's best candidate is taken over (`candidates`; the
-  searches themselves are `solver.templates`'s, handed in as `PlacementSearches`);
+  searches themselves are `solver.serving`'s, handed in as `PlacementSearches`);
 - whether a library's inputs include the coupled decode search's version (`coupled_decode`);
 - whether stock vLLM runs the space's placements (`deployable`), and if not, why the Pulumi
   program refuses its plans (`deploy_problem`).
@@ -31,13 +31,13 @@ from typing import ClassVar, Protocol, TypeVar
 from solver.errors import InputError
 from solver.types import LibPhase, Mode
 
-C = TypeVar("C")  # a placed candidate (`solver.templates.candidates.Candidate`)
+C = TypeVar("C")  # a placed candidate (`solver.serving.candidates.Candidate`)
 C_co = TypeVar("C_co", covariant=True)
 
 
 class PlacementSearches(Protocol[C_co]):
     """The placement searches for one (model, phase) and node multiset, implemented by
-    `solver.templates.enumeration`; a mode's `candidates` picks those its space holds. Each
+    `solver.serving.enumeration`; a mode's `candidates` picks those its space holds. Each
     returns a placed candidate, or None when nothing fits the budgets."""
 
     @property
@@ -134,7 +134,7 @@ class GeneralMode(LibraryMode):
 
 @dataclass(frozen=True)
 class PaperMode(LibraryMode):
-    """Exactly the paper's space (`solver.templates.paper_mode`), decode pipelines coupled: for
+    """Exactly the paper's space (`solver.serving.paper_mode`), decode pipelines coupled: for
     the evaluation."""
 
     name: ClassVar[Mode] = "paper"

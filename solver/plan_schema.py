@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field
 
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.serving_template import ServingTemplate
 from solver.types import BUCKET_SEP, FROZEN, LibPhase
 
 if TYPE_CHECKING:

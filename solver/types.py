@@ -16,7 +16,7 @@ LibPhase = Literal["prefill", "decode", "aggregated"]
 Mode = Literal["vllm", "general", "paper"]
 """A library mode's name (`coral:fleet.library.mode`), the template space a stack plans in: vllm
 (placements stock vLLM runs); general (the paper's PP+DP space plus per-GPU chains); paper
-(exactly the paper's space: `solver.templates.paper_mode`, evaluation only). Its behaviour is a
+(exactly the paper's space: `solver.serving.paper_mode`, evaluation only). Its behaviour is a
 `solver.modes.LibraryMode`; not to be confused with the performance model's runtime."""
 
 Job = tuple[str, LibPhase]

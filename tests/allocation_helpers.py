@@ -11,8 +11,8 @@ from typing import Any
 from solver.performance.default_model import load_perf_model
 from solver.performance.perf_model import PerfModel
 from solver.plan.demand import stack_demand
+from solver.serving.library import Library, build_libraries
 from solver.stack import FleetConfig
-from solver.templates.library import Library, build_libraries
 
 SMALL_FLEET: dict[str, Any] = {
     "description": "allocation tests",

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 
 
 def data_parallel_template(model: str, layers: int) -> ServingTemplate:

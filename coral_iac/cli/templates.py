@@ -64,8 +64,8 @@ def templates_build(
 ) -> None:
     """Build the serving-template library for every model of a stack."""
     from solver.performance.default_model import load_perf_model
-    from solver.templates.enumeration import available_node_configs
-    from solver.templates.library import build_libraries, save_library
+    from solver.serving.enumeration import available_node_configs
+    from solver.serving.library import build_libraries, save_library
 
     fleet = _fleet(stack, mode)
     phases = phase or ["prefill", "decode"]
@@ -132,7 +132,7 @@ def templates_show(
     """List templates by throughput per dollar (at the cheapest region offering all nodes)."""
     from solver.catalog.offers import load_catalog
     from solver.errors import InputError
-    from solver.templates.library import read_library
+    from solver.serving.library import read_library
 
     pattern = f"{model}__{phase}__*__{mode or '*'}.json"
     files = sorted(library.glob(pattern))

@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 from solver.catalog.market import Market, RegionId
 from solver.plan_schema import SolverReport
+from solver.serving.serving_template import ServingTemplate
 from solver.stack import AllocationSettings
-from solver.templates.serving_template import ServingTemplate
 from solver.types import BUCKET_SEP, Job
 
 RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, template key)

@@ -373,7 +373,7 @@ def factor_table(result: dict[str, Any]) -> list[str]:
         "the exact product of three: **template**, the cost of the bought templates at their "
         "library T̂ bought fractionally (what the paper's ILP optimises); **SLO discount**, what "
         "our capacity model's discount (capacity at the attainment target over T̂, "
-        "`solver/plan/slo_capacity.py`) costs on top; **whole instances**, what buying whole "
+        "`solver/capacity/slo_capacity.py`) costs on top; **whole instances**, what buying whole "
         "instances costs on top (bought capacity over need).",
         "",
         "| scenario | variant | baseline | phase | ratio | template | SLO discount | "

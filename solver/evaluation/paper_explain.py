@@ -19,7 +19,7 @@ core scenarios (their plans take seconds, so every probe runs on every method):
    per-stage budget is the phase SLO / S, so a single-node prefill (S = 1) sizes its batch to
    take the whole TTFT SLO and any wait behind a batch misses. For each model, the prefill node
    the homo-paper baseline buys is re-profiled at budgets SLO / k (k = 1, 2, 4, 8): its T̂, its
-   capacity factor at the target (`solver.plan.slo_capacity`) and their product.
+   capacity factor at the target (`solver.capacity.slo_capacity`) and their product.
 4. **Helix's cluster at more demand.** Coral on paper-helix (paper setup) at 1, 1.5, 2, 3 and 4
    times its 4 req/s, until it serves less than 90%: how much of the cluster the demand needs.
 
@@ -35,6 +35,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from solver.capacity.slo_capacity import capacity_factors
 from solver.evaluation.paper_comparison import Log, cost_by_phase, decompose, job_breakdown
 from solver.evaluation.paper_results import paper_results
 from solver.evaluation.scenarios import (
@@ -60,11 +61,10 @@ from solver.plan.attainment import (
     simulate_workload,
 )
 from solver.plan.planner import plan_stack
-from solver.plan.slo_capacity import capacity_factors
 from solver.plan_schema import Method, Plan
+from solver.serving.instance_model import InstanceModel
 from solver.simulation.workload import planning_workload
 from solver.stack import FleetConfig
-from solver.templates.instance_model import InstanceModel
 from solver.types import Job
 
 CORE = ("core/default", "core/scarce", "core/large-heavy", "core/small-heavy")

@@ -38,11 +38,11 @@ from solver.evaluation.paper_results import paper_results
 from solver.io import digest, write_atomic
 from solver.performance.perf_model import PerfModel
 from solver.plan.planner import libraries_for
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import best_candidate, to_template
+from solver.serving.library import build_libraries
+from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig, load_stack
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import best_candidate, to_template
-from solver.templates.library import build_libraries
-from solver.templates.serving_template import ServingTemplate
 from solver.types import Job, LibPhase
 
 STACK = "paper-extended"

@@ -11,7 +11,7 @@ the simulator (`capacity_check`: simulated / library throughput).
 Two placement strategies for the paper-mode libraries (`Placement`):
 
 - coupled (the default of paper mode, `build_libraries`): one micro-batch size at every stage
-  of a decode pipeline (`solver.templates.placement_search.place_coupled`);
+  of a decode pipeline (`solver.serving.placement_search.place_coupled`);
 - uncoupled (`uncoupled_placement`): the paper's per-stage T̂, each decode stage at its own
   batch. Its libraries are placed in this process over the same multisets and pruned and
   hashed alike (`place_library`), in their own cache folder.
@@ -37,15 +37,15 @@ from solver.performance.perf_model import PerfModel
 from solver.plan.demand import stack_demand
 from solver.plan.planner import libraries_for, plan_stack, plan_with_library
 from solver.plan.validator import validate_plan
+from solver.serving.candidates import Candidate, RowSource
+from solver.serving.enumeration import available_node_configs, enumerate_multisets, to_template
+from solver.serving.library import Library, input_hashes, load_library, save_library
+from solver.serving.library_format import LibraryStats
+from solver.serving.paper_mode import paper_candidate
+from solver.serving.pruning import prune_dominated
 from solver.simulation.simulator import capacity_check, simulate
 from solver.simulation.workload import model_trace
 from solver.stack import FleetConfig, load_stack
-from solver.templates.candidates import Candidate, RowSource
-from solver.templates.enumeration import available_node_configs, enumerate_multisets, to_template
-from solver.templates.library import Library, input_hashes, load_library, save_library
-from solver.templates.library_format import LibraryStats
-from solver.templates.paper_mode import paper_candidate
-from solver.templates.pruning import prune_dominated
 from solver.types import Job
 
 STACK = "paper-helix"

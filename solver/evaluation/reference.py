@@ -24,15 +24,15 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from solver.capacity.slo_capacity import PhaseTarget, capacity_factors, prefill_budget_ms
 from solver.performance.perf_model import PerfModel
-from solver.plan.slo_capacity import PhaseTarget, capacity_factors, prefill_budget_ms
+from solver.serving.enumeration import RowSource, to_template, vllm_per_node
+from solver.serving.instance_model import InstanceModel
+from solver.serving.serving_template import ServingTemplate
 from solver.simulation.simulator import engine_pass
 from solver.simulation.traces import WorkloadShape, generate_trace
 from solver.simulation.workload import Workload
 from solver.stack import MAX_SLO_MS, ModelSpec, Slo
-from solver.templates.enumeration import RowSource, to_template, vllm_per_node
-from solver.templates.instance_model import InstanceModel
-from solver.templates.serving_template import ServingTemplate
 from solver.types import LibPhase
 
 FIXED = WorkloadShape(1.0, 0.0, 0.0)  # Poisson arrivals, every request at the means

@@ -23,8 +23,8 @@ from solver.performance.perf_model import PerfModel
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.planner import _at_capacity
 from solver.plan_schema import Method, Plan, template_ref
+from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig
-from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
 

@@ -33,8 +33,8 @@ from solver.plan.demand import stack_demand
 from solver.plan.planner import libraries_for, plan_stack
 from solver.plan.validator import validate_plan
 from solver.plan_schema import Method, Plan, template_ref
+from solver.serving.library import Library
 from solver.stack import FleetConfig, GpuPool, load_stack
-from solver.templates.library import Library
 from solver.types import Job
 
 VARIANTS: dict[str, tuple[Method, ...]] = {

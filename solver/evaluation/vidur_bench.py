@@ -38,8 +38,8 @@ from solver.io import write_atomic
 from solver.performance.default_model import load_perf_model
 from solver.performance.kernel_fit import vidur_sim_dir
 from solver.performance.perf_model import PerfModel
+from solver.serving.instance_model import InstanceModel
 from solver.stack import Slo
-from solver.templates.instance_model import InstanceModel
 from solver.types import LibPhase
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -59,7 +59,7 @@ from pydantic import BaseModel, Field
 
 from solver.io import digest
 from solver.plan_schema import Instance, Plan, template_ref
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.serving_template import ServingTemplate
 from solver.types import FROZEN, Job
 
 State = Literal["starting", "ready", "retiring", "draining"]

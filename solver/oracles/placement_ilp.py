@@ -1,4 +1,4 @@
-"""The paper's placement ILP (Sec. 4.2), a test oracle for `solver.templates.placement_search`.
+"""The paper's placement ILP (Sec. 4.2), a test oracle for `solver.serving.placement_search`.
 
 Per stage count S: x[s,j] = 1 iff stage s holds j layers, y[s,k] = 1 iff node k serves stage s,
 z[s,j,k] = x[s,j] * y[s,k] linearised; maximise T subject to T <= sum_k sum_j T̂_j(k) z[s,j,k]
@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from ortools.linear_solver import pywraplp
 
-from solver.templates.placement_search import Placement, Tables, _monotone
+from solver.serving.placement_search import Placement, Tables, _monotone
 
 
 def place_ilp(

@@ -2,7 +2,7 @@
 `PerfModel` and a library folder; gives a validated `Plan` (`plan.json`) with its attainment.
 
 `planner.plan_with_library` runs the stages: demand (`demand`), libraries, the SLO capacity
-model (`slo_capacity`), the allocation, the closed loop through the simulator and the
+model (`solver.capacity`), the allocation, the closed loop through the simulator and the
 verification (`attainment`), length buckets (`length_routing`). The plan file's types
 (instances with stable keys, their serving templates, $/hour, served fractions, the solver
 report) live in `solver.plan_schema`, below the stages that read them (`schema` re-exports

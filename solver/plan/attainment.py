@@ -1,7 +1,7 @@
 """Plans that meet their SLO attainment targets: capacity at the target, a closed loop, and a
 verification on requests the planner never saw.
 
-1. **Capacity model** (`slo_capacity.capacity_factors`): each template's capacity at its model's
+1. **Capacity model** (`solver.capacity.slo_capacity.capacity_factors`): each template's capacity at its model's
    target, from the planning workload's lengths and burstiness.
 2. **Closed loop**: plan with those capacities, simulate the plan on the planning workload
    (`workload.model_trace(..., "plan")`), and for every model below its target (plus `MARGIN`)
@@ -28,15 +28,19 @@ from pathlib import Path
 import numpy as np
 
 from solver import timing
-from solver.io import digest, write_atomic
-from solver.performance.perf_model import PerfModel
-from solver.plan.slo_capacity import (
+from solver.capacity.slo_capacity import (
     ADMISSION_SHARE,
     CAPACITY_MODEL_VERSION,
     MAX_UTILIZATION,
     capacity_factors,
 )
+from solver.io import digest, write_atomic
+from solver.performance.perf_model import PerfModel
 from solver.plan_schema import ModelAttainment, Plan, template_ref
+from solver.serving.executors import map_in_processes
+from solver.serving.instance_model import InstanceModel
+from solver.serving.library import Library
+from solver.serving.serving_template import ServingTemplate
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
@@ -49,10 +53,6 @@ from solver.simulation.workload import (
     trace_of,
 )
 from solver.stack import FleetConfig, ModelSpec
-from solver.templates.executors import map_in_processes
-from solver.templates.instance_model import InstanceModel
-from solver.templates.library import Library
-from solver.templates.serving_template import ServingTemplate
 from solver.types import Job
 
 MARGIN = 0.02  # the closed loop aims this far above each target (seed-to-seed noise)

@@ -18,10 +18,10 @@ from solver.catalog.offers import Catalog
 from solver.performance.perf_model import PerfModel
 from solver.plan.planner import plan_stack
 from solver.plan_schema import Plan, diff_plans
+from solver.serving.library import Library
 from solver.simulation.simulator import simulate
 from solver.simulation.workload import stack_requests
 from solver.stack import FleetConfig, NodeAvailability
-from solver.templates.library import Library
 from solver.types import Job
 
 

@@ -27,15 +27,15 @@ from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.length_routing import plan_routed
 from solver.plan.validator import validate_plan
 from solver.plan_schema import Instance, JobResult, Method, Plan, instance_key, template_ref
-from solver.stack import FleetConfig
-from solver.templates.library import (
+from solver.serving.library import (
     Library,
     build_libraries,
     library_owner,
     load_library,
     save_library,
 )
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.serving_template import ServingTemplate
+from solver.stack import FleetConfig
 from solver.types import Job
 
 

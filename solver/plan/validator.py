@@ -32,8 +32,8 @@ from solver.errors import CoralError
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.length_routing import fleet_for_plan
 from solver.plan_schema import Instance, JobResult, Plan, instance_key, template_ref
+from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig
-from solver.templates.serving_template import ServingTemplate
 from solver.types import Job, base_model, per_model
 
 TOL = 1e-6

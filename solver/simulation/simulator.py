@@ -45,10 +45,10 @@ import numpy as np
 
 from solver.performance.perf_model import PerfModel
 from solver.plan_schema import Plan, template_ref
+from solver.serving.instance_model import InstanceModel
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.traces import Trace, WorkloadShape, generate_trace
 from solver.stack import FleetConfig
-from solver.templates.instance_model import InstanceModel
 
 
 def smooth_wrr(weights: list[float], n: int) -> np.ndarray:

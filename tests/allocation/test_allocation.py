@@ -435,7 +435,7 @@ def small_stack_with_library(tmp_path: Path, monkeypatch) -> Path:
     the working directory is set there. Returns the library folder."""
     import yaml
 
-    from solver.templates.library import save_library
+    from solver.serving.library import save_library
 
     (tmp_path / "stacks").mkdir()
     doc = {"config": {"coral:fleet": SMALL_FLEET}}
@@ -515,7 +515,7 @@ def test_solve_errors_carry_the_status(monkeypatch):
 
 def test_a_stale_library_raises_its_own_type_naming_what_changed(tmp_path):
     from solver.errors import StaleLibraryError
-    from solver.templates.library import load_library, save_library
+    from solver.serving.library import load_library, save_library
 
     for lib in libraries().values():
         save_library(lib, tmp_path)

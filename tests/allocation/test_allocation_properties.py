@@ -15,8 +15,8 @@ from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market
 from solver.plan.planner import plan_stack
 from solver.plan.validator import validate_plan
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from solver.stack import AllocationSettings
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 SLOTS = [

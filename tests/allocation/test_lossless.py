@@ -20,14 +20,14 @@ from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market
 from solver.catalog.offers import Catalog, GpuType
 from solver.oracles.joint_model import JointModel, solve_joint
-from solver.stack import AllocationSettings, ModelSpec, Slo
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import (
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import (
     best_candidate,
     enumerate_multisets,
     to_template,
 )
-from solver.templates.pruning import prune_dominated
+from solver.serving.pruning import prune_dominated
+from solver.stack import AllocationSettings, ModelSpec, Slo
 
 TYPES = ["ax1", "bx1"]  # one-GPU node configs of two made-up GPU types
 REGION = ("aws", "r")

@@ -18,8 +18,8 @@ from solver.allocation.problem import Column, Problem
 from solver.allocation.reduction import fractional_bounds, reduce_columns, undominated
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from solver.stack import AllocationSettings
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 
 REGIONS = [("aws", "r1"), ("aws", "r2")]
 NODES = {"a": ("ga", 1), "b": ("gb", 1)}

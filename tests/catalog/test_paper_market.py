@@ -13,8 +13,8 @@ from solver.catalog.market_settings import L4_USD_PER_GPU_HOUR
 from solver.catalog.offers import load_catalog
 from solver.catalog.paper_market import RELATIVE_COST
 from solver.errors import InputError
+from solver.serving.enumeration import available_node_configs
 from solver.stack import FleetConfig
-from solver.templates.enumeration import available_node_configs
 
 SIZES = (1, 2, 4, 8)
 NODES = [f"{g}x{n}" for g in RELATIVE_COST for n in SIZES]

@@ -31,7 +31,7 @@ from coral_iac.engine_args import (
 from solver.catalog.model_cards import load_model_cards
 from solver.errors import InputError
 from solver.plan_schema import Instance
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.factories import data_parallel_template
 from tests.vllm_cli import check_replica

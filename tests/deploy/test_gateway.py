@@ -33,7 +33,7 @@ from coral_iac.gateway_config import (
 from coral_iac.preview import _ip
 from solver.errors import InputError
 from solver.plan_schema import Instance, Plan, instance_key, template_ref
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from tests.conftest import REPO
 from tests.deploy.test_program import stacks_with
 

@@ -18,7 +18,7 @@ import yaml
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from solver.templates.library import read_library
+from solver.serving.library import read_library
 from tests.allocation_helpers import SMALL_FLEET
 from tests.conftest import REPO
 

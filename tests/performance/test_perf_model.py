@@ -9,8 +9,8 @@ import yaml
 
 from solver.errors import InputError
 from solver.performance.analytical import experts_touched, valid_tp_degrees
-from solver.templates.instance_model import InstanceModel
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+from solver.serving.instance_model import InstanceModel
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 
 
 def test_llama2_70b_does_not_fit_on_one_t4(perf):

@@ -22,8 +22,8 @@ from solver.evaluation.reference import (
 from solver.evaluation.vidur_bench import PREFILL_REQUESTS
 from solver.evaluation.vidur_bench import cases as vidur_cases
 from solver.performance.kernel_fit import calibrate_kernels, load_profiled_layer
+from solver.serving.instance_model import CHUNK_TPOT_FACTOR, MIN_CHUNK_TOKENS, InstanceModel
 from solver.stack import Slo
-from solver.templates.instance_model import CHUNK_TPOT_FACTOR, MIN_CHUNK_TOKENS, InstanceModel
 from tests.allocation_helpers import perf
 
 MODEL, NODE = "llama2-70b", "a100-80gbx2"

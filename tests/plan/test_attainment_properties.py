@@ -1,4 +1,4 @@
-"""The capacity-at-target model's invariants (`solver/plan/slo_capacity.py`), on random templates
+"""The capacity-at-target model's invariants (`solver/capacity/slo_capacity.py`), on random templates
 and workloads: a factor lies in [0, 0.98]; a higher attainment target, a burstier arrival
 process or longer prompts never raise it. The plan's cost follows (a smaller capacity for every
 template can only raise the optimum): `tests/plan/test_attainment.py` checks that on a stack."""
@@ -11,10 +11,10 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.plan.slo_capacity import MAX_UTILIZATION, capacity_factors
+from solver.capacity.slo_capacity import MAX_UTILIZATION, capacity_factors
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from solver.simulation.workload import Workload
 from solver.stack import Slo
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
 
 
 def template(phase: str, throughput: float, stages: int, budget_ms: float) -> ServingTemplate:

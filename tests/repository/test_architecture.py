@@ -52,7 +52,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("solver.performance",),
     # Stage 3, offline: serving templates (placement search, enumeration, pruning, library) and
     # one instance's engine model.
-    ("solver.templates",),
+    ("solver.serving",),
     # The plan's types: what the planner writes and allocation, simulation, operations and the
     # Pulumi program read.
     ("solver.plan_schema",),
@@ -60,6 +60,10 @@ LAYERS: list[tuple[str, ...]] = [
     ("solver.allocation",),
     # Request traces and the event-driven simulator: any plan replayed.
     ("solver.simulation",),
+    # The SLO capacity model: each template's capacity at its model's attainment target, from
+    # the planning workload's lengths and burstiness (the allocation prices it, the closed loop
+    # corrects it).
+    ("solver.capacity",),
     # Stage 5: the planner (allocation, then simulation for SLO attainment), the validator,
     # length routing, epochs of re-planning.
     ("solver.plan",),
@@ -170,8 +174,8 @@ KNOWN_UNCOMMENTED: dict[str, tuple[str, ...]] = {
         "solver.catalog.offers",
         "solver.errors",
         "solver.performance.default_model",
-        "solver.templates.enumeration",
-        "solver.templates.library",
+        "solver.serving.enumeration",
+        "solver.serving.library",
     ),
     "coral_iac.deploy_settings": ("ipaddress",),
     "coral_iac.preview": ("solver.errors", "solver.stack"),

@@ -24,8 +24,8 @@ CLOUD = ("pulumi", "pulumi_aws", "pulumi_gcp", "boto3", "google", "coral_iac", "
 SOLVERS = (
     "ortools",
     "solver.allocation.solve",
-    "solver.templates.placement_search",
-    "solver.templates.enumeration",
+    "solver.serving.placement_search",
+    "solver.serving.enumeration",
 )
 
 
@@ -47,7 +47,7 @@ def test_import_loads_nothing_forbidden(imports, forbidden):
 
 def test_the_walk_found_every_stage():
     stages = {m.split(".")[1] for m in SOLVER_MODULES if m.count(".") >= 1}
-    for stage in ("catalog", "performance", "templates", "allocation", "plan", "simulation"):
+    for stage in ("catalog", "performance", "serving", "allocation", "simulation", "capacity", "plan"):
         assert stage in stages
 
 

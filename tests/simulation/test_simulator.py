@@ -292,7 +292,7 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
 
 
 def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
-    from solver.templates.instance_model import InstanceModel
+    from solver.serving.instance_model import InstanceModel
     from tests.factories import data_parallel_template, single_node_template
 
     pm = perf()

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import to_template
+from solver.serving.instance_model import InstanceModel
+from solver.serving.library import input_hashes
+from solver.serving.paper_mode import paper_candidate
+from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import to_template
-from solver.templates.instance_model import InstanceModel
-from solver.templates.library import input_hashes
-from solver.templates.paper_mode import paper_candidate
-from solver.templates.serving_template import ServingTemplate
 from tests.allocation_helpers import perf
 
 # Helix's Sec. 6.6 set-up (stacks/Pulumi.paper-helix.yaml), a few of its node configs.

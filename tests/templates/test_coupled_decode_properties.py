@@ -3,7 +3,7 @@ ordered partition, layer split and period agrees) and never above the uncoupled 
 
 Synthetic nodes time a stage of j layers at micro-batch b as j x (alpha + beta x b) + gamma
 (+ a hop on every stage but the last) and hold KV for kv // (j x S) sequences per micro-batch,
-so both tables come from one model, as `solver.templates.paper_mode.coupled_seqs` builds them.
+so both tables come from one model, as `solver.serving.paper_mode.coupled_seqs` builds them.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.templates.placement_search import place_coupled, place_fast
+from solver.serving.placement_search import place_coupled, place_fast
 
 QUICK = settings(max_examples=40, deadline=None, derandomize=True)
 PERIODS = 6

@@ -10,15 +10,15 @@ import pytest
 from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.default_model import load_perf_model
-from solver.stack import load_stack
-from solver.templates.library import (
+from solver.serving.library import (
     build_libraries,
     build_library,
     library_owner,
     load_library,
     save_library,
 )
-from solver.templates.pruning import prune_dominated
+from solver.serving.pruning import prune_dominated
+from solver.stack import load_stack
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 SIZES = (128, 1024, 4096, 16384)  # prefill tokens of a measured table
@@ -186,7 +186,7 @@ def test_node_configs_only_the_stack_prices_are_enumerated(perf):
     in its market, so the library must enumerate them. They used to be dropped as unsold, and
     Helix's four A100s never reached a template."""
     from solver.catalog.market import build_market
-    from solver.templates.enumeration import available_node_configs
+    from solver.serving.enumeration import available_node_configs
 
     fleet = load_stack(STACKS, "paper-helix")
     own = {p.node for p in fleet.prices}
@@ -205,7 +205,7 @@ def test_without_mixing_every_template_has_one_gpu_type_and_costs_no_less():
     combine); the plan on that restricted library never costs less than on the mixed one."""
     from solver.plan.demand import stack_demand
     from solver.plan.planner import plan_stack
-    from solver.templates.library import build_libraries, input_hashes
+    from solver.serving.library import build_libraries, input_hashes
     from tests.allocation_helpers import SMALL_FLEET, fleet, libraries
     from tests.allocation_helpers import perf as small_perf
 

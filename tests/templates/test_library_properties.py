@@ -11,14 +11,14 @@ from hypothesis import strategies as st
 
 from solver.performance.analytical import valid_tp_degrees
 from solver.performance.default_model import load_perf_model
-from solver.stack import load_stack
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import (
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import (
     available_node_configs,
     best_candidate,
     to_template,
 )
-from solver.templates.placement_search import trim_surplus
+from solver.serving.placement_search import trim_surplus
+from solver.stack import load_stack
 
 STACKS = Path(__file__).resolve().parents[2] / "stacks"
 CORE = load_stack(STACKS, "paper-core")

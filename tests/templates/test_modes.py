@@ -27,9 +27,9 @@ from solver.modes import (
     VllmMode,
     library_mode,
 )
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import best_candidate
 from solver.stack import FleetConfig, load_stack, parse_fleet
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import best_candidate
 from solver.types import Mode
 from tests.conftest import REPO
 

@@ -13,11 +13,11 @@ from solver.catalog.offers import load_catalog
 from solver.errors import InputError
 from solver.oracles.placement_ilp import place_ilp
 from solver.plan.demand import stack_demand
+from solver.serving.candidates import RowSource
+from solver.serving.enumeration import best_candidate
+from solver.serving.library import Library, build_libraries, load_library, save_library
+from solver.serving.paper_mode import paper_candidate
 from solver.stack import FleetConfig
-from solver.templates.candidates import RowSource
-from solver.templates.enumeration import best_candidate
-from solver.templates.library import Library, build_libraries, load_library, save_library
-from solver.templates.paper_mode import paper_candidate
 from tests.allocation_helpers import perf
 
 PAPER_FLEET: dict[str, Any] = {

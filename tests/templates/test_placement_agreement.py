@@ -16,7 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.oracles.placement_ilp import place_ilp
-from solver.templates.placement_search import Placement, Tables, place_chain, place_fast
+from solver.serving.placement_search import Placement, Tables, place_chain, place_fast
 
 QUICK = settings(max_examples=25, deadline=None, derandomize=True)
 FULL = settings(max_examples=200, deadline=None, derandomize=True)

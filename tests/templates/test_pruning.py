@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from solver.templates.pruning import prune_dominated
+from solver.serving.pruning import prune_dominated
 
 
 @dataclass(frozen=True)

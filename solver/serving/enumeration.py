@@ -3,7 +3,7 @@
 A serving template is (model, phase, SLO, mode, node multiset, placement, throughput). For each
 (model, phase) of a stack this module enumerates multisets of at most N_max nodes whose total GPU
 memory lies in [weights, rho x weights], finds each one's throughput-optimal placement
-(`solver.templates.placement_search`) in the library mode's space; `solver.templates.pruning`
+(`solver.serving.placement_search`) in the library mode's space; `solver.serving.pruning`
 then drops dominated templates.
 
 Library modes (`solver.modes`: each mode's `candidates` picks among the searches here):
@@ -12,7 +12,7 @@ Library modes (`solver.modes`: each mode's `candidates` picks among the searches
 - vllm: what stock vLLM runs: a chain with one stage per node at one TP size (nodes all of one GPU
   count), or one stage per GPU at TP=1 (any mix of node sizes). Decode templates are single-node
   (NixlConnector needs PP=1 on the decode side).
-- paper: exactly the paper's space, decode pipelines coupled (`solver.templates.paper_mode`).
+- paper: exactly the paper's space, decode pipelines coupled (`solver.serving.paper_mode`).
 
 Phases: prefill and decode are throughput in tokens/s of that phase. Aggregated (one replica serves
 both) is in requests/s at the model's mean prompt/output lengths: each stage time-shares between
@@ -32,12 +32,12 @@ from solver.catalog.market import market_source
 from solver.catalog.offers import Catalog
 from solver.modes import LibraryMode, VllmMode, library_mode
 from solver.performance.analytical import valid_tp_degrees
+from solver.serving.candidates import Candidate, general_candidate
+from solver.serving.candidates import RowSource as RowSource  # re-exported: solver/evaluation
+from solver.serving.paper_mode import paper_candidate
+from solver.serving.placement_search import place_chain
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember, template_key
 from solver.stack import FleetConfig
-from solver.templates.candidates import Candidate, general_candidate
-from solver.templates.candidates import RowSource as RowSource  # re-exported: solver/evaluation
-from solver.templates.paper_mode import paper_candidate
-from solver.templates.placement_search import place_chain
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember, template_key
 from solver.types import Mode
 
 

@@ -28,12 +28,12 @@ from typing import Any, Literal, TypeVar
 
 from solver.errors import InputError
 from solver.performance.perf_model import PerfModel
-from solver.stack import FleetConfig
-from solver.templates.candidates import Candidate, RowSource
-from solver.templates.enumeration import (
+from solver.serving.candidates import Candidate, RowSource
+from solver.serving.enumeration import (
     available_node_configs,
     best_candidate,
 )
+from solver.stack import FleetConfig
 from solver.types import Job
 
 Executor = Literal["process", "ray"]

@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from solver.templates.serving_template import ServingTemplate, Stage, StageMember
+from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from solver.types import FROZEN, LibPhase, Mode
 
 FORMAT = 2

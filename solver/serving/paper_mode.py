@@ -10,7 +10,7 @@ Library mode `paper` places a node multiset exactly as the paper's per-template 
 - the per-stage budget is the phase's SLO / S;
 - a decode pipeline runs one micro-batch size at every stage (coupled): the same
   sequences pass through every stage, so the stage with the least KV per sequence (or the
-  slowest) caps the batch for all (`solver.templates.placement_search.place_coupled`). The
+  slowest) caps the batch for all (`solver.serving.placement_search.place_coupled`). The
   paper's per-stage T̂ lets each stage pick its own batch, which a pipeline cannot: measured
   on Helix's cluster, such templates sustained about half their library throughput in the
   simulator (docs/paper-figures.md).
@@ -28,8 +28,8 @@ from dataclasses import replace
 import numpy as np
 
 from solver.modes import PaperMode
-from solver.templates.candidates import Candidate, RowSource, general_candidate
-from solver.templates.placement_search import Placement, place_coupled, place_fast
+from solver.serving.candidates import Candidate, RowSource, general_candidate
+from solver.serving.placement_search import Placement, place_coupled, place_fast
 from solver.types import Mode
 
 PAPER_MODE: Mode = PaperMode.name  # the label of this space's candidates

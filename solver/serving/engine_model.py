@@ -3,7 +3,7 @@ requests that meet their SLOs at a rate, and the highest rate that meets a targe
 
 They serve two callers, so the two can never disagree: `InstanceModel` picks the chunk
 (--max-num-batched-tokens) that serves the most at the SLO, and the capacity model
-(`solver.plan.slo_capacity`) charges each template for queueing and interference at that chunk.
+(`solver.capacity.slo_capacity`) charges each template for queueing and interference at that chunk.
 Both read an instance only through its stage times (`prefill_ms`, `batch_stage_ms`).
 
 **Prefill-only** (`prefill_attainment`): under load every step is a full chunk C, so the

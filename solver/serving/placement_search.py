@@ -198,7 +198,7 @@ def place_chain(table: np.ndarray, n_layers: int) -> Placement | None:
 
 
 # Coupled decode pipelines (`place_coupled`). Bumped when the coupled search changes what a library
-# holds, so libraries built before are rebuilt (solver.templates.library.input_hashes).
+# holds, so libraries built before are rebuilt (solver.serving.library.input_hashes).
 COUPLED_DECODE_VERSION = "1"
 
 

@@ -1,7 +1,7 @@
 """What every library mode's placement search works on: the T̂ rows of one (model, phase)
 (`RowSource`), a placed node multiset (`Candidate`), and mode `general`'s own space (every node
-whole in a stage, `general_candidate`), which mode `paper` (`solver.templates.paper_mode`)
-shares. `solver.templates.enumeration` picks each multiset's best candidate over the modes.
+whole in a stage, `general_candidate`), which mode `paper` (`solver.serving.paper_mode`)
+shares. `solver.serving.enumeration` picks each multiset's best candidate over the modes.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ import numpy as np
 from solver.modes import GeneralMode
 from solver.performance.analytical import valid_tp_degrees
 from solver.performance.perf_model import PerfModel
+from solver.serving.placement_search import Placement, place_chain, place_fast
 from solver.stack import ModelSpec
-from solver.templates.placement_search import Placement, place_chain, place_fast
 from solver.types import LibPhase, Mode
 
 

@@ -24,15 +24,14 @@ from solver.errors import InputError, StaleLibraryError
 from solver.io import digest, write_atomic
 from solver.performance.analytical import PERF_MODEL_VERSION
 from solver.performance.perf_model import PerfModel
-from solver.stack import FleetConfig
-from solver.templates.candidates import Candidate, RowSource
-from solver.templates.enumeration import (
+from solver.serving.candidates import Candidate, RowSource
+from solver.serving.enumeration import (
     available_node_configs,
     enumerate_multisets,
     to_template,
 )
-from solver.templates.executors import CHUNK, Executor, run_tasks
-from solver.templates.library_format import (
+from solver.serving.executors import CHUNK, Executor, run_tasks
+from solver.serving.library_format import (
     FORMAT,
     LibraryHeader,
     LibraryStats,
@@ -40,9 +39,10 @@ from solver.templates.library_format import (
     decode_body,
     encode_body,
 )
-from solver.templates.placement_search import COUPLED_DECODE_VERSION
-from solver.templates.pruning import prune_dominated
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.placement_search import COUPLED_DECODE_VERSION
+from solver.serving.pruning import prune_dominated
+from solver.serving.serving_template import ServingTemplate
+from solver.stack import FleetConfig
 from solver.types import Job, LibPhase, Mode
 
 LIBRARY_FORMAT = FORMAT

@@ -38,16 +38,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from solver.simulation.workload import Workload
-from solver.stack import Slo
-from solver.templates.engine_model import (
+from solver.serving.engine_model import (
     PrefillEngine,
     aggregated_capacity,
     highest_each,
     prefill_capacity,
 )
-from solver.templates.instance_model import InstanceModel
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.instance_model import InstanceModel
+from solver.serving.serving_template import ServingTemplate
+from solver.simulation.workload import Workload
+from solver.stack import Slo
 
 CAPACITY_MODEL_VERSION = 6  # raise when a formula changes: cached factors are recomputed
 PREFILL_SHARE = 0.7  # of the miss budget 1 - target

@@ -2,7 +2,7 @@
 
 Plain pydantic models with no solver imports, so plans, the validator and the Pulumi program
 can read templates without OR-Tools. The library that builds them is
-`solver/templates/library.py`.
+`solver/serving/library.py`.
 """
 
 from __future__ import annotations

@@ -19,14 +19,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.performance.perf_model import PerfModel
-from solver.stack import ModelSpec
-from solver.templates.engine_model import (
+from solver.serving.engine_model import (
     SEARCH_STEPS,
     PrefillEngine,
     aggregated_capacity,
     prefill_capacity,
 )
-from solver.templates.serving_template import ServingTemplate
+from solver.serving.serving_template import ServingTemplate
+from solver.stack import ModelSpec
 from solver.types import Phase
 
 CHUNK_TPOT_FACTOR = 2.0  # an aggregated step may take up to this many TPOT SLOs (see bench_vidur)
