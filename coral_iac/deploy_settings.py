@@ -4,6 +4,7 @@ solver's `allocation.boot_minutes`, which also sets the start-up penalty K."""
 
 from __future__ import annotations
 
+import ipaddress
 from pathlib import Path
 from typing import Any, Literal
 
@@ -144,7 +145,6 @@ class DeploySettings(BaseModel):
 
     @model_validator(mode="after")
     def _cidrs(self) -> DeploySettings:
-        import ipaddress
 
         for i, cidr in enumerate(self.api_cidrs):
             try:

@@ -19,6 +19,7 @@ import pulumi
 
 from coral_iac import program
 from coral_iac.program import ProgramOptions
+from solver.errors import unknown_value
 from solver.plan_schema import Plan
 
 PROJECT = "coral"  # Pulumi.yaml's name: the config namespace
@@ -109,7 +110,8 @@ def _ip(prefix: str, name: str) -> str:
 
 def stack_config(stacks_dir: Path, stack: str) -> dict[str, str]:
     """The stack file's config as the runtime holds it: structured values JSON-encoded."""
-    from solver.errors import unknown_value
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.stack import read_stack_config
 
     path = stacks_dir / f"Pulumi.{stack}.yaml"

@@ -30,7 +30,7 @@ PHASES = {
     "solver/allocation/solve.py:solve_allocation": "ILP (all solves)",
     "solver/allocation/solve.py:_most_served": "ILP: most-served (scarce)",
     "solver/plan/attainment.py:simulate_workload": "closed-loop simulation",
-    "solver/plan/attainment.py:_verified": "verification",
+    "solver/plan/attainment.py:verify_plan": "verification",
 }
 
 

@@ -33,6 +33,8 @@ def catalog_show(
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
 ) -> None:
     """Print every offer: instance type, node config, $/hour, network, default availability."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.catalog.offers import load_catalog
 
     cat = load_catalog()
@@ -80,6 +82,8 @@ def catalog_models(
     Built-in models come with Coral; a stack adds its own from their config.json
     (docs/models.md), listed with `--stack`.
     """
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.catalog.model_cards import load_model_cards
     from solver.catalog.user_models import stack_cards
 
@@ -132,6 +136,8 @@ def catalog_import_skypilot(
     ] = None,
 ) -> None:
     """Read a SkyPilot vms.csv into offers (cheapest instance per region and node shape)."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.catalog.offers import load_catalog
     from solver.catalog.skypilot_import import import_vms_rows
     from solver.io import read_text
@@ -149,6 +155,8 @@ def catalog_import_skypilot(
     doc = {"schema_version": 1, "offers": [o.model_dump(mode="json") for o in offers]}
     text = yaml.safe_dump(doc, sort_keys=False)
     if out_path:
+        # Deferred to when the command runs: the solver modules behind it (numpy,
+        # pydantic, OR-Tools) would slow the start of every coral command.
         from solver.io import write_atomic
 
         write_atomic(out_path, text)

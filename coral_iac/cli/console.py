@@ -51,6 +51,8 @@ def load_stack_named(stack: str) -> Any:
         InputError: a name Pulumi rejects, no stacks folder (not inside a Coral project), an
             unknown stack (with the known ones), or a bad stack file.
     """
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.stack import load_stack
     from solver.validation import check_stack_name
 

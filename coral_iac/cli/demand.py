@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from typing import Annotated, Any
 
 import typer
@@ -32,6 +33,8 @@ UrlOpt = Annotated[
 
 
 def _row(spec: Any, model: str, demand: Any) -> dict[str, Any]:
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.operations.demand_rules import phase_figures
 
     return {
@@ -50,6 +53,8 @@ def show(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """The demand `coral plan` and the program use, per model, and where each figure came from."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from coral_iac.demand_sources import demand_report
 
     fleet = load_stack_named(stack)
@@ -99,8 +104,9 @@ def refresh(
     Never falls back: Prometheus unreachable is an error (exit 1). A stack whose source is not
     prometheus has nothing to refresh (exit 0).
     """
-    import sys
 
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from coral_iac.demand_sources import demand_file_path, refresh_file
     from solver.io import write_atomic
     from solver.operations.demand_rules import demand_file_text

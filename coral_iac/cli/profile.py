@@ -9,6 +9,7 @@ from typing import Annotated, Any
 import typer
 
 from coral_iac.cli.console import FittedTable, MeasuredOpt, err, out, print_json, reports_errors
+from solver.errors import InputError
 from solver.types import Phase
 
 profile_app = typer.Typer(
@@ -107,7 +108,8 @@ def _layer_result(
     measured: Path | None,
 ) -> dict[str, Any]:
     """The layer time and its components, as `layer-time --json` prints them."""
-    from solver.errors import InputError
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.performance.calibration import load_calibration
     from solver.performance.default_model import load_perf_model
 
@@ -140,7 +142,6 @@ def _layer_result(
 
 
 def _phase(phase: str) -> Phase:
-    from solver.errors import InputError
 
     if phase not in ("prefill", "decode"):
         raise InputError("--phase", f"unknown phase '{phase}'", "use prefill or decode")
@@ -167,6 +168,8 @@ def profile_table(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """T̂_j(c): the most tokens/s each node config delivers holding j layers within the budget."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.performance.default_model import load_perf_model
 
     pm = load_perf_model(measured)
@@ -233,6 +236,8 @@ def profile_calibrate(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Per-file error of the performance model against the measured timings (and refit)."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from coral_iac.cli.reports import calibration_markdown
     from solver.catalog.model_cards import load_model_cards
     from solver.catalog.offers import load_catalog
@@ -315,8 +320,11 @@ def profile_measure(
     Needs the optional extra: pip install 'coral-iac\\[profile]'.
     """
     try:
+        # Deferred: torch is the optional `profile` extra.
         import torch  # noqa: F401
 
+        # Deferred to when the command runs: the solver modules behind it (numpy,
+        # pydantic, OR-Tools) would slow the start of every coral command.
         from solver.performance.profiler.command import parse_sizes, run_measure
         from solver.performance.profiler.measure import MeasureSpec
     except ImportError as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+from dataclasses import asdict
 from pathlib import Path
 from typing import Annotated, Any, cast
 
@@ -16,6 +18,7 @@ from coral_iac.cli.console import (
     reports_errors,
     stacks_dir,
 )
+from solver.errors import InputError
 
 
 def simulate_cmd(
@@ -38,12 +41,12 @@ def simulate_cmd(
     ] = False,
 ) -> None:
     """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
-    import math
 
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from coral_iac.cli.console import warn
     from coral_iac.cli.plan import load_plan
     from coral_iac.demand_sources import resolve_demand
-    from solver.errors import InputError
     from solver.performance.default_model import load_perf_model
     from solver.plan.length_routing import fleet_for_plan
     from solver.simulation.simulator import simulate
@@ -100,12 +103,16 @@ def simulate_cmd(
 def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:
     """Each model's requests at `load` x its demand (requests/s, or tokens/s over the mean
     lengths): its trace's verification window, or generated with seed `seed + i`."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.simulation.workload import stack_requests
 
     return stack_requests(fleet.models, duration, load, seed, stacks_dir().parent)
 
 
 def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.simulation.simulator import capacity_check
 
     rows = capacity_check(plan, fleet, perf, duration_s=duration)
@@ -161,9 +168,9 @@ def epochs_cmd(
 ) -> None:
     """Run the paper's epochs: re-plan each interval (start-up penalty, changing availability)
     and simulate each epoch, counting the start-up time of new instances."""
-    from dataclasses import asdict
 
-    from solver.errors import InputError
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.performance.default_model import load_perf_model
     from solver.plan.demand import stack_demand
     from solver.plan.epochs import run_epochs

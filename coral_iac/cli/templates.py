@@ -17,6 +17,7 @@ from coral_iac.cli.console import (
     progress_bar,
     reports_errors,
 )
+from solver.errors import InputError
 
 templates_app = typer.Typer(help="Serving-template library (offline stage).", no_args_is_help=True)
 LIB_PHASES = ("prefill", "decode", "aggregated")
@@ -63,6 +64,8 @@ def templates_build(
     measured: MeasuredOpt = None,
 ) -> None:
     """Build the serving-template library for every model of a stack."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.performance.default_model import load_perf_model
     from solver.serving.enumeration import available_node_configs
     from solver.serving.library import build_libraries, save_library
@@ -71,13 +74,11 @@ def templates_build(
     phases = phase or ["prefill", "decode"]
     for ph in phases:
         if ph not in LIB_PHASES:
-            from solver.errors import InputError
 
             raise InputError(
                 "--phase", f"unknown phase '{ph}'", "use prefill, decode or aggregated"
             )
     if executor not in ("process", "ray"):
-        from solver.errors import InputError
 
         raise InputError("--executor", f"unknown executor '{executor}'", "use process or ray")
     pm = load_perf_model(measured, cards=fleet.model_cards)
@@ -130,8 +131,9 @@ def templates_show(
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """List templates by throughput per dollar (at the cheapest region offering all nodes)."""
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.catalog.offers import load_catalog
-    from solver.errors import InputError
     from solver.serving.library import read_library
 
     pattern = f"{model}__{phase}__*__{mode or '*'}.json"

@@ -54,11 +54,11 @@ from solver.evaluation.scenarios import (
 )
 from solver.performance.perf_model import PerfModel
 from solver.plan.attainment import (
-    _Loop,
-    _scaled,
-    _verified,
+    ClosedLoopRound,
     base_factors,
+    scaled_factors,
     simulate_workload,
+    verify_plan,
 )
 from solver.plan.planner import plan_stack
 from solver.plan_schema import Method, Plan
@@ -91,7 +91,9 @@ def tighten(
     def solve(factors: dict[str, float]) -> Plan:
         return plan_stack(name, fleet, perf.catalog, p.libs, None, method, factors)
 
-    loop = _Loop(fleet, perf, base_factors(fleet, perf, p.libs, root, cache), solve, root, None)
+    loop = ClosedLoopRound(
+        fleet, perf, base_factors(fleet, perf, p.libs, root, cache), solve, root, None
+    )
     head = headroom_of(p.plan, p.libs)
     plan, planned, _ = loop.run(head)
     trials = 1
@@ -115,7 +117,7 @@ def tighten(
                 if not better(new, att):
                     break
                 head, plan, planned = trial, new, att
-    return _verified(plan, fleet, perf, planned, head, root), trials
+    return verify_plan(plan, fleet, perf, planned, head, root), trials
 
 
 def headroom_of(plan: Plan, libs: dict[Job, Any]) -> dict[Job, float]:
@@ -141,9 +143,9 @@ def at_headroom(
     phase), verified: whether Coral serving less than a baseline comes from the loop's end state
     rather than from its columns (Coral's columns include the baseline's)."""
     head = headroom_of(other, p.libs)
-    factors = _scaled(base_factors(fleet, perf, p.libs, root, cache), head)
+    factors = scaled_factors(base_factors(fleet, perf, p.libs, root, cache), head)
     plan = plan_stack(name, fleet, perf.catalog, p.libs, None, "coral", factors)
-    return _verified(plan, fleet, perf, {}, head, root)
+    return verify_plan(plan, fleet, perf, {}, head, root)
 
 
 # ---------------------------------------------------------------- 3. budget probe

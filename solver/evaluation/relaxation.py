@@ -21,7 +21,7 @@ from solver.catalog.market import Market, build_market
 from solver.evaluation.scenarios import Planned
 from solver.performance.perf_model import PerfModel
 from solver.plan.demand import capacity_needed, stack_demand
-from solver.plan.planner import _at_capacity
+from solver.plan.planner import at_capacity
 from solver.plan_schema import Method, Plan, template_ref
 from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig
@@ -81,7 +81,7 @@ def relaxed_cost(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method
         return frac
     templates = {
         job: [
-            _at_capacity(t, f)
+            at_capacity(t, f)
             for t in lib.templates
             if (f := p.factors.get(template_ref(*job, t.key), 0.0)) > 0
         ]

@@ -345,9 +345,11 @@ def render_table(results: list[dict]) -> str:  # type: ignore[type-arg]
 
 
 def plot(results: list[dict], path: Path) -> None:  # type: ignore[type-arg]
+    # Deferred: matplotlib takes about half a second to import; only plots need it.
     import matplotlib
 
     matplotlib.use("Agg")
+    # Deferred: matplotlib takes about half a second to import; only plots need it.
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(16, 7), sharey=True)

@@ -167,6 +167,7 @@ def _patch_restart() -> None:
       caught between chunks (sarathi): its prompt would shrink to the chunks done (0 if none).
       Such a request keeps its prompt and output lengths here.
     """
+    # Deferred: vidur is installed only in .vidur-venv, where this runs.
     from vidur.entities import Request
 
     def restart(self: Any) -> None:
@@ -208,6 +209,7 @@ def _load_vidur(profiles: Path, verbose: bool) -> types.SimpleNamespace:
             handler.flush = sys.stderr.flush  # type: ignore[method-assign]
             handler.setLevel(logging.INFO if verbose else logging.WARNING)
 
+    # Deferred: vidur is installed only in .vidur-venv, where this runs.
     from vidur.execution_time_predictor import sklearn_execution_time_predictor as skl
 
     paths = [profiles / f for f in COMPUTE_FILES + NETWORK_FILES]
@@ -231,6 +233,7 @@ def _load_vidur(profiles: Path, verbose: bool) -> types.SimpleNamespace:
 
     _patch_restart()
 
+    # Deferred: vidur is installed only in .vidur-venv, where this runs.
     import vidur.config as cfg
 
     return types.SimpleNamespace(
@@ -356,6 +359,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 
     v = _load_vidur(args.profiles, args.verbose)
     cfg = v.cfg
+    # Deferred: vidur is installed only in .vidur-venv, where this runs.
     from vidur.entities import Request
     from vidur.events import RequestArrivalEvent
     from vidur.simulator import Simulator
@@ -457,6 +461,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
                     "num_restarts": req.num_restarts,
                 }
             )
+        # Deferred: vidur is installed only in .vidur-venv, where this runs.
         from vidur.config.utils import dataclass_to_dict
 
         summary = _summary(sim_config, kv_capacity, planner_tokens)
@@ -479,6 +484,7 @@ def simulate(args: argparse.Namespace) -> dict[str, Any]:
 def predict(args: argparse.Namespace) -> dict[str, Any]:
     v = _load_vidur(args.profiles, args.verbose)
     cfg = v.cfg
+    # Deferred: vidur is installed only in .vidur-venv, where this runs.
     from vidur.entities import Batch
     from vidur.execution_time_predictor import ExecutionTimePredictorRegistry
     from vidur.types import ReplicaId

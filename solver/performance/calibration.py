@@ -15,6 +15,7 @@ documented derivation in the data file (`derived`), never a generic default.
 from __future__ import annotations
 
 import datetime as dt
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -108,8 +109,9 @@ def load_profiler_dir(directory: Path, catalog: Catalog) -> list[CalibrationFile
         InputError: no tables, a table without its sidecar, a smoke (toy-layer) table, a node
             the catalog lacks, or a TP > 1 table (the fit is per GPU).
     """
-    import json
 
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.performance.measured_tables import parse_table_name
 
     if not directory.is_dir():

@@ -238,7 +238,7 @@ def plan_to_target(
     the caller's other closed loops)."""
     if base is None:
         base = base_factors(fleet, perf, libs, root, cache)
-    loop = _Loop(fleet, perf, base, solve, root, progress, simulations)
+    loop = ClosedLoopRound(fleet, perf, base, solve, root, progress, simulations)
     headroom = {job: 1.0 for job in libs}
     rounds = fleet.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
@@ -296,7 +296,7 @@ def plan_to_target(
         plan_round = loop.count - 1
     if loop.progress and stop:
         loop.progress(_stop_line(loop.count - 1, plan_round, plan, stop))
-    return _verified(plan, fleet, perf, planned, headroom, root, stop, loop.progress, loop.sims)
+    return verify_plan(plan, fleet, perf, planned, headroom, root, stop, loop.progress, loop.sims)
 
 
 def _stop_line(last: int, kept: int, plan: Plan, stop: str) -> str:
@@ -330,7 +330,7 @@ def _cut_that_changes(
     short: dict[str, float],
     sims: dict[str, ModelResult],
     fleet: FleetConfig,
-    loop: _Loop,
+    loop: ClosedLoopRound,
 ) -> tuple[dict[Job, float], Plan] | None:
     """The first of ever deeper capacity cuts for the short models whose plan differs from
     `plan` in some instance, and that plan; None when the plan stays the same until every
@@ -345,7 +345,7 @@ def _cut_that_changes(
         for model, gap in short.items():
             _raise_headroom(trial, model, gap, sims[model], fleet, boost)
         tries += 1
-        candidate = loop.solve(_scaled(loop.base, trial))
+        candidate = loop.solve(scaled_factors(loop.base, trial))
         if _fleet_keys(candidate) != before:
             return trial, candidate
     return None
@@ -356,7 +356,7 @@ def _give_back_that_changes(
     headroom: dict[Job, float],
     planned: dict[str, float],
     fleet: FleetConfig,
-    loop: _Loop,
+    loop: ClosedLoopRound,
     kept: set[str],
 ) -> tuple[dict[Job, float], Plan, str] | None:
     """Headroom given back to one model well above target (the one furthest above first; not
@@ -371,7 +371,7 @@ def _give_back_that_changes(
         trial = headroom
         while (more := _relaxed(trial, planned, fleet, only=model)) is not None:
             trial = more
-            candidate = loop.solve(_scaled(loop.base, trial))
+            candidate = loop.solve(scaled_factors(loop.base, trial))
             if _fleet_keys(candidate) != before:
                 return trial, candidate, model
     return None
@@ -393,7 +393,7 @@ def _closer(
     return worst(plan, planned) > worst(best[0], best[1])
 
 
-class _Loop:
+class ClosedLoopRound:
     """One closed-loop round: plan at the scaled capacities, simulate on the planning workload."""
 
     def __init__(
@@ -415,7 +415,7 @@ class _Loop:
         self, headroom: dict[Job, float], plan: Plan | None = None, simulate_it: bool = True
     ) -> tuple[Plan, dict[str, float], dict[str, ModelResult]]:
         """Plan at `headroom` (or take `plan`, already planned at it) and simulate it."""
-        plan = plan or self.solve(_scaled(self.base, headroom))
+        plan = plan or self.solve(scaled_factors(self.base, headroom))
         if not simulate_it or not plan.instances:
             return plan, {}, {}
         minutes = self.fleet.attainment.planning_minutes
@@ -464,7 +464,8 @@ def _relaxed(
     return trial if trial != headroom else None
 
 
-def _scaled(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, float]:
+def scaled_factors(base: dict[str, float], headroom: dict[Job, float]) -> dict[str, float]:
+    """The capacity factors with each (model, phase)'s headroom applied (template ref -> factor)."""
     out = {}
     by_job = {f"{m}/{ph}/": k for (m, ph), k in headroom.items()}
     for ref, f in base.items():
@@ -590,7 +591,7 @@ class Simulations:
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
 
 
-def _verified(
+def verify_plan(
     plan: Plan,
     fleet: FleetConfig,
     perf: PerfModel,

@@ -209,7 +209,7 @@ def plan_from_solution(
 _SCALED: dict[tuple[int, float], tuple[ServingTemplate, ServingTemplate]] = {}
 
 
-def _at_capacity(t: ServingTemplate, factor: float) -> ServingTemplate:
+def at_capacity(t: ServingTemplate, factor: float) -> ServingTemplate:
     """The template with its throughput times `factor` (cached: the closed loop re-plans with
     mostly the same factors, and a pydantic copy of 20,000 templates per round adds up)."""
     key = (id(t), factor)
@@ -242,7 +242,7 @@ def plan_stack(
     templates = {job: lib.templates for job, lib in libs.items()}
     if factors is not None:
         templates = {
-            job: [_at_capacity(t, f) for t in ts if (f := factors[template_ref(*job, t.key)]) > 0]
+            job: [at_capacity(t, f) for t in ts if (f := factors[template_ref(*job, t.key)]) > 0]
             for job, ts in templates.items()
         }
     columns = make_columns(templates, market, demand)

@@ -110,77 +110,6 @@ LAYERS: list[tuple[str, ...]] = [
     ("coral_iac.cli.app",),
 ]
 
-# Imports inside functions without a comment, in files that other work owned when this test
-# was written. Module -> the modules it imports that way. Each is to be moved to the top of
-# its module or given its reason, and then removed from here (an entry no longer needed fails
-# `test_the_known_exceptions_are_still_needed`).
-KNOWN_UNCOMMENTED: dict[str, tuple[str, ...]] = {
-    "solver.performance.calibration": ("json", "solver.performance.measured_tables"),
-    "solver.evaluation.vidur_bench": ("matplotlib", "matplotlib.pyplot"),
-    "solver.evaluation.vidur_runner": (
-        "vidur.config",
-        "vidur.config.utils",
-        "vidur.entities",
-        "vidur.events",
-        "vidur.execution_time_predictor",
-        "vidur.simulator",
-        "vidur.types",
-        "vidur.utils.memory_planner",
-        "vidur.utils.random",
-    ),
-    "coral_iac.cli.catalog": (
-        "solver.catalog.model_cards",
-        "solver.catalog.offers",
-        "solver.catalog.skypilot_import",
-        "solver.catalog.user_models",
-        "solver.io",
-    ),
-    "coral_iac.cli.console": ("solver.stack", "solver.validation"),
-    "coral_iac.cli.demand": (
-        "coral_iac.demand_sources",
-        "solver.io",
-        "solver.operations.demand_rules",
-        "sys",
-    ),
-    "coral_iac.cli.profile": (
-        "coral_iac.cli.reports",
-        "solver.catalog.model_cards",
-        "solver.catalog.offers",
-        "solver.errors",
-        "solver.io",
-        "solver.performance.calibration",
-        "solver.performance.default_model",
-        "solver.performance.profiler.command",
-        "solver.performance.profiler.measure",
-        "torch",
-    ),
-    "coral_iac.cli.simulate": (
-        "coral_iac.cli.console",
-        "coral_iac.cli.plan",
-        "coral_iac.demand_sources",
-        "dataclasses",
-        "math",
-        "solver.errors",
-        "solver.performance.default_model",
-        "solver.plan.demand",
-        "solver.plan.epochs",
-        "solver.plan.length_routing",
-        "solver.plan.planner",
-        "solver.simulation.simulator",
-        "solver.simulation.traces",
-        "solver.simulation.workload",
-    ),
-    "coral_iac.cli.templates": (
-        "solver.catalog.offers",
-        "solver.errors",
-        "solver.performance.default_model",
-        "solver.serving.enumeration",
-        "solver.serving.library",
-    ),
-    "coral_iac.deploy_settings": ("ipaddress",),
-    "coral_iac.preview": ("solver.errors", "solver.stack"),
-}
-
 
 @dataclass(frozen=True)
 class Import:
@@ -222,14 +151,14 @@ def _ours(name: str) -> str | None:
 
 
 # A comment that only silences a tool says nothing about why.
-PRAGMA = re.compile(r"#\s*(noqa(:\s*[A-Z0-9, ]+)?|type:\s*ignore(\[[^\]]*\])?|pragma:.*|fmt:\s*\w+)\s*$")
+PRAGMA = re.compile(
+    r"#\s*(noqa(:\s*[A-Z0-9, ]+)?|type:\s*ignore(\[[^\]]*\])?|pragma:.*|fmt:\s*\w+)\s*$"
+)
 
 
 def _comment_lines(source: str) -> set[int]:
     tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    return {
-        t.start[0] for t in tokens if t.type == tokenize.COMMENT and not PRAGMA.match(t.string)
-    }
+    return {t.start[0] for t in tokens if t.type == tokenize.COMMENT and not PRAGMA.match(t.string)}
 
 
 def _statement_lists(tree: ast.AST) -> list[list[ast.stmt]]:
@@ -410,22 +339,9 @@ def test_every_import_inside_a_function_says_why():
         "move it to the top of the module, or say why it is deferred (a heavy optional "
         "dependency)"
         for i in all_imports()
-        if i.in_function
-        and not i.commented
-        and i.name not in KNOWN_UNCOMMENTED.get(i.module, ())
+        if i.in_function and not i.commented
     ]
     assert not problems, "\n".join(problems)
-
-
-def test_the_known_exceptions_are_still_needed():
-    uncommented = {(i.module, i.name) for i in all_imports() if i.in_function and not i.commented}
-    stale = [
-        f"{module}: {name}"
-        for module, names in KNOWN_UNCOMMENTED.items()
-        for name in names
-        if (module, name) not in uncommented
-    ]
-    assert not stale, f"remove from KNOWN_UNCOMMENTED in {__file__}: {stale}"
 
 
 @pytest.mark.parametrize(
