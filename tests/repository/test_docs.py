@@ -7,7 +7,8 @@ Checked in README.md, CHANGELOG.md and every docs/*.md:
   folder of the repository, and a `#anchor` into a Markdown file names one of its headings,
   slugged as GitHub slugs them (lowercase; letters, digits, `_`, `-` and spaces kept, spaces
   become `-`; a repeated heading gets `-1`, `-2`, ...);
-- no doc mentions `../shared` (a folder outside the repository);
+- no doc names a path above the repository (`../` outside a link target: paths in prose and
+  code are written from the repository root, so any climbs out of it);
 - outside code blocks and code spans, no doc cites an issue or pull request by number (`#12`,
   `(#20)`, `issue 27`, `PR 7`). A number cited with its repository (`vllm-project/vllm#1440`,
   `vllm#1440`) is a source citation and allowed; headings (`## ...`), HTML entities (`&#38;`)
@@ -54,6 +55,7 @@ REFERENCE_DEF = re.compile(r"^ {0,3}\[[^\]]+\]:\s*<?(?P<target>\S+?)>?(?:\s|$)",
 HTML_ID = re.compile(r"<a\s[^>]*\b(?:name|id)=[\"']([^\"']+)[\"']", re.I)
 ATX_HEADING = re.compile(r"^ {0,3}#{1,6}\s+(?P<text>.*?)\s*#*\s*$")
 SCHEME = re.compile(r"^[a-z][a-z0-9+.-]*:", re.I)
+PARENT_PATH = re.compile(r"(?<![\w.])(?:\.\./)+[^\s`)\]'\"]*")
 # `#` and a number, not glued to a word, a path, an entity or another `#`, and not the start
 # of a longer token (`#1a2b3c`, `#12-b`).
 HASH_NUMBER = re.compile(r"(?<![\w/&#])#(?P<n>\d{1,6})(?![\w-])")
@@ -156,9 +158,30 @@ def test_every_relative_link_resolves(doc: Path) -> None:
     assert not problems, f"{_rel(doc)}:\n" + "\n".join(problems)
 
 
+def paths_above_the_repository(doc: Path) -> list[tuple[int, str]]:
+    """(line number, path) for each `../` path the doc names outside a link target (link
+    targets are relative to the doc and checked by `link_problem`)."""
+    text = doc.read_text(encoding="utf-8")
+    targets = [
+        m.span("target") for m in (*INLINE_LINK.finditer(text), *REFERENCE_DEF.finditer(text))
+    ]
+    return [
+        (text.count("\n", 0, m.start()) + 1, m.group(0))
+        for m in PARENT_PATH.finditer(text)
+        if not any(lo <= m.start() < hi for lo, hi in targets)
+    ]
+
+
+def test_a_path_above_the_repository_is_found_and_a_link_target_is_not(tmp_path: Path) -> None:
+    doc = tmp_path / "d.md"
+    doc.write_text("See [up](../README.md) and `.../x`.\nData in `../elsewhere/file.csv`.\n")
+    assert paths_above_the_repository(doc) == [(2, "../elsewhere/file.csv")]
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=_rel)
-def test_no_doc_mentions_the_shared_folder_outside_the_repository(doc: Path) -> None:
-    assert "../shared" not in doc.read_text(encoding="utf-8")
+def test_no_doc_names_a_path_above_the_repository(doc: Path) -> None:
+    found = paths_above_the_repository(doc)
+    assert not found, f"{_rel(doc)} names paths a clone does not have: {found}"
 
 
 @pytest.mark.parametrize("doc", NO_EXTERNAL_LINKS, ids=_rel)
