@@ -155,7 +155,14 @@ def general_candidate(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | No
     placement = place_fast(tables, rows.layers, labels, last=last)
     if placement is None:
         return None
-    # Every node serves its stage whole, at the TP degree its profile entry chose.
+    return whole_node_candidate(rows, nodes, placement, GeneralMode.name)
+
+
+def whole_node_candidate(
+    rows: RowSource, nodes: tuple[str, ...], placement: Placement, mode: Mode
+) -> Candidate:
+    """`placement` with every node serving its stage whole, at the TP degree its profile entry
+    chose (the paper's space, and `general`'s part of it)."""
     s_count = len(placement.stages)
     tps = {
         k: rows.chosen_tp(nodes[k], s_count, j, last=i == s_count - 1)
@@ -165,4 +172,4 @@ def general_candidate(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | No
     procs = tuple(
         (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
     )
-    return Candidate(nodes, GeneralMode.name, placement, procs)
+    return Candidate(nodes, mode, placement, procs)

@@ -28,8 +28,8 @@ from dataclasses import replace
 import numpy as np
 
 from solver.modes import PaperMode
-from solver.serving.candidates import Candidate, RowSource, general_candidate
-from solver.serving.placement_search import Placement, place_coupled, place_fast
+from solver.serving.candidates import Candidate, RowSource, general_candidate, whole_node_candidate
+from solver.serving.placement_search import place_coupled, place_fast
 from solver.types import Mode
 
 PAPER_MODE: Mode = PaperMode.name  # the label of this space's candidates
@@ -82,22 +82,7 @@ def _coupled_decode(rows: RowSource, nodes: tuple[str, ...]) -> Candidate | None
     if not found:
         return None
     best = max(found, key=lambda p: p.throughput)  # the single stage first on ties
-    return _candidate(rows, nodes, best)
-
-
-def _candidate(rows: RowSource, nodes: tuple[str, ...], placement: Placement) -> Candidate:
-    """Every node whole in its stage, at the TP degree its T̂ entry chose (as
-    `general_candidate`)."""
-    s_count = len(placement.stages)
-    tps = {
-        k: rows.chosen_tp(nodes[k], s_count, j, last=i == s_count - 1)
-        for i, (members, j) in enumerate(zip(placement.stages, placement.layers, strict=True))
-        for k in members
-    }
-    procs = tuple(
-        (k, tuple(range(rows.perf.catalog.node(n).gpu_count)), tps[k]) for k, n in enumerate(nodes)
-    )
-    return Candidate(nodes, PAPER_MODE, placement, procs)
+    return whole_node_candidate(rows, nodes, best, PAPER_MODE)
 
 
 def periods(rows: RowSource, stages: int) -> np.ndarray:
