@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from solver.io import write_atomic
-from solver.plan.schema import Plan
+from solver.plan_schema import Plan
 
 ROOT = Path(__file__).resolve().parents[2]
 # The CLI of the checkout in --root (another commit's work tree gives that commit's numbers,
