@@ -431,3 +431,26 @@ def test_cli_bench_reports_a_failed_solve_and_goes_on(tmp_path, monkeypatch):
     assert "| dev | vllm | cauchy | failed |" in report
     assert "| dev | vllm | coral | failed |" not in report
     assert "- dev vllm cauchy: allocation: the cost solve ended not solved" in report
+
+
+def test_cli_bench_runs_on_a_gcp_stack(tmp_path, monkeypatch):
+    """`coral bench` through the CLI on dev-gcp: every method reported, Coral verified to the
+    stack's target. (Homo serves nothing on dev-gcp, as before this test was written; the
+    report says so as "serves nothing".)"""
+    from typer.testing import CliRunner
+
+    from coral_iac.cli.app import app
+    from tests.conftest import REPO
+
+    (tmp_path / "stacks").symlink_to(REPO / "stacks")
+    monkeypatch.chdir(tmp_path)
+    out = tmp_path / "bench"
+    args = ["bench", "--stack", "dev-gcp", "--mode", "vllm", "--out", str(out)]
+    r = CliRunner().invoke(app, args)
+    assert r.exit_code == 0, r.output
+    report = (out / "report.md").read_text()
+    for method in ("coral", "homo", "cauchy", "coral-one-gpu-type"):
+        assert report.count(f"| dev-gcp | vllm | {method} |") == 1
+    by = {row["method"]: row for row in json.loads((out / "results.json").read_text())}
+    assert by["coral"]["worst_model"] >= 0.9 and not by["coral"]["below_target"]
+    assert by["coral-one-gpu-type"]["usd_per_hour"] >= by["coral"]["usd_per_hour"] > 0
