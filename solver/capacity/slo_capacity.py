@@ -119,7 +119,10 @@ def capacity_factors(
     lengths = _quantiles(workload.prompts)
     budget = prefill_budget_ms(slo)
     engine = PrefillEngine.stack(
-        [PrefillEngine.of(inst, [inst.max_batched_tokens]) for inst in map(instance, templates)]
+        [
+            PrefillEngine.of(inst, [inst.max_batched_tokens], lengths)
+            for inst in map(instance, templates)
+        ]
     )
     tokens_s = prefill_capacity(engine, lengths, workload.arrival_scv, budget, share)
     return np.minimum(MAX_UTILIZATION, tokens_s / thr)

@@ -40,6 +40,7 @@ from solver.performance.analytical import (
     Runtime,
     analytical_layer_ms,
 )
+from solver.performance.operator_tables import shipped_operator_tables
 from solver.performance.perf_model import Calibration
 from solver.types import Phase
 
@@ -304,6 +305,7 @@ class CalibrationData(BaseModel):
             runtimes=dict(self.runtimes),
             allreduce={k: dict(v.tp) for k, v in self.allreduce.items()},
             provenance=f"{self.helix_fit.data}; fitted {self.helix_fit.fitted_on}",
+            operators=shipped_operator_tables(),
         )
 
 

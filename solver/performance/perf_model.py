@@ -1,7 +1,9 @@
 """The performance model behind every plan: layer times and the profile table T̂_j(c).
 
 `PerfModel` combines the analytical model (`solver/performance/analytical.py`) with fitted
-efficiencies and any measured tables (which win for their (model, node config, phase)).
+efficiencies, measured operator times where a profile covers the layer's shape on the GPU
+(`operator_tables.py`: they replace the fitted GEMM and elementwise terms) and any measured
+whole-layer tables (which win for their (model, node config, phase)).
 `profile_table` computes, for a (model, phase, per-stage latency budget), the most tokens/s each
 node config delivers holding j layers while the stage meets the budget and the KV cache fits.
 """
@@ -9,7 +11,7 @@ node config delivers holding j layers while the stage meets the budget and the K
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from solver.catalog.model_cards import ModelCard, ModelId, get_card
 from solver.catalog.offers import Catalog, NodeConfig
@@ -28,6 +30,7 @@ from solver.performance.analytical import (
     valid_tp_degrees,
 )
 from solver.performance.measured_tables import MeasuredTables
+from solver.performance.operator_tables import OperatorTables
 from solver.types import Phase
 
 GB = 1e9
@@ -48,6 +51,8 @@ class Calibration:
     runtimes: dict[str, Runtime]
     allreduce: dict[str, dict[int, AllReduceFit]]
     provenance: str = ""
+    # Measured GEMM and elementwise times that win over the fit where they cover the layer
+    operators: OperatorTables = field(default_factory=OperatorTables)
 
     def for_gpu(self, gpu_id: str) -> Efficiency:
         """The GPU's factors.
@@ -188,7 +193,13 @@ class PerfModel:
         self, card: ModelCard, cfg: NodeConfig, tp: int, phase: Phase, size: float, ctx: float
     ) -> LayerBreakdown:
         costs = self.calibration.costs(cfg, self.runtime)
-        return layer_breakdown(card, cfg, costs, tp, phase, size, ctx)
+        fitted = layer_breakdown(card, cfg, costs, tp, phase, size, ctx)
+        table = self.calibration.operators.get(cfg.gpu_id, card, tp)
+        measured = table.at(size) if table is not None else None
+        if measured is None:
+            return fitted
+        gemm_ms, elementwise_ms = measured
+        return replace(fitted, gemm_ms=gemm_ms, elementwise_ms=elementwise_ms)
 
     def layer_breakdown(
         self, model: ModelId, node: str, phase: Phase, size: float, context: float

@@ -48,6 +48,8 @@ SEARCH_STEPS = 12  # the chunk search's rate bisection: to 1/4096 of the upper b
 class PrefillTimes(Protocol):
     def prefill_ms(self, tokens: int) -> tuple[float, float]: ...
 
+    def prompt_alone_ms(self, length: int, chunk: int) -> float: ...
+
 
 class StepTimes(Protocol):
     @property
@@ -62,21 +64,25 @@ class StepTimes(Protocol):
 class PrefillEngine:
     """What the prefill-only model needs of instances (arrays broadcast together: one entry
     per instance, or per candidate chunk): the chunk C, a pass's latency through every stage
-    at C tokens and at 64, and the saturated rate mu = C / period(C) in prompt tokens/s."""
+    at C tokens and at 64, the saturated rate mu = C / period(C) in prompt tokens/s, and, per
+    prompt length, the time the prompt's own passes take on an idle instance (`alone_ms`, one
+    row per entry, one column per length)."""
 
     chunk: np.ndarray
     latency_ms: np.ndarray
     latency_64_ms: np.ndarray
     mu: np.ndarray
+    alone_ms: np.ndarray
 
     @staticmethod
-    def of(inst: PrefillTimes, chunks: Sequence[int]) -> PrefillEngine:
+    def of(inst: PrefillTimes, chunks: Sequence[int], lengths: np.ndarray) -> PrefillEngine:
         passes = [inst.prefill_ms(c) for c in chunks]
         return PrefillEngine(
             np.array(chunks, dtype=np.float64),
             np.array([lat for lat, _ in passes]),
             np.full(len(chunks), inst.prefill_ms(64)[0]),
             np.array([c / period * 1e3 for c, (_, period) in zip(chunks, passes, strict=True)]),
+            np.array([[inst.prompt_alone_ms(int(x), c) for x in lengths] for c in chunks]),
         )
 
     @staticmethod
@@ -85,7 +91,7 @@ class PrefillEngine:
             *(np.concatenate([getattr(e, f) for e in engines]) for f in PrefillEngine.FIELDS)
         )
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("chunk", "latency_ms", "latency_64_ms", "mu")
+    FIELDS: ClassVar[tuple[str, ...]] = ("chunk", "latency_ms", "latency_64_ms", "mu", "alone_ms")
 
 
 def prefill_attainment(
@@ -106,10 +112,17 @@ def prefill_attainment(
     wait_ms = r / (1 - r) * (arrival_scv + cs2) / 2 * mean / mu * 1e3
     rounds = np.ceil(lengths[None, :] / chunk)
     piece = lengths[None, :] / rounds
+    # A pass filled by others costs what a full chunk costs over the piece alone (linear in the
+    # piece between 64 tokens and C); the prompt's own passes take their exact idle time.
     alone = lat_64 + (lat_c - lat_64) * np.clip((piece - 64) / np.maximum(chunk - 64, 1), 0, 1)
-    slack = budget_ms - rounds * (alone + r * (lat_c - alone))
+    slack = budget_ms - engine.alone_ms - rounds * r * (lat_c - alone)
     late = r * np.exp(-r * np.maximum(slack, 0.0) / np.maximum(wait_ms, 1e-9))
-    met = np.where(slack >= 0, 1.0 - late, 0.0).mean(axis=1)
+    # Steps are not preempted: an arrival that finds a pass under way waits for the rest of it,
+    # up to a full chunk's latency (uniform), with the probability u that a pass is under way
+    # (the share of time the prompts' own passes take at this rate).
+    busy = np.minimum(1.0, r * mu / mean * engine.alone_ms.mean(axis=1)[:, None] / 1e3)
+    behind = busy * np.clip(1.0 - slack / lat_c, 0.0, 1.0)
+    met = np.where(slack >= 0, (1.0 - late) * (1.0 - behind), 0.0).mean(axis=1)
     return np.asarray(np.where(rho >= 1.0, 0.0, met), dtype=np.float64)
 
 

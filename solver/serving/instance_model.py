@@ -101,6 +101,7 @@ class InstanceModel:
         self._batch_fixed: dict[tuple[int, int, str, int], float] = {}
         self._attention: dict[tuple[int, int], tuple[float, float, float, float]] = {}
         self._prefill: dict[int, tuple[float, float]] = {}
+        self._alone: dict[tuple[int, int], float] = {}
         # The runtime caps batches at what meets the SLO (vLLM's --max-num-seqs and
         # --max-num-batched-tokens), as the template library assumed when it sized them.
         self.max_running = 1 << 30
@@ -148,7 +149,7 @@ class InstanceModel:
         # vLLM needs --max-num-batched-tokens >= --max-num-seqs (every decode takes a token).
         candidates = sorted({c for c in sizes if self.max_running <= c < top} | {top})
         if phase == "prefill":
-            engine = PrefillEngine.of(self, candidates)
+            engine = PrefillEngine.of(self, candidates, prompt)
             served = prefill_capacity(engine, prompt, 1.0, slo_ms[0], target, SEARCH_STEPS)
             return candidates[int(np.argmax(served))]  # the first (smallest) on a tie
         output = np.array([max(1.0, self.output)])
@@ -259,6 +260,19 @@ class InstanceModel:
             worst = max(self.stage_ms(i, "decode", micro) for i in range(len(self.stages)))
             self._decode[running] = len(self.stages) * worst
         return self._decode[running]
+
+    def prompt_alone_ms(self, length: int, chunk: int) -> float:
+        """A prompt of `length` tokens prefilled alone at chunk `chunk`: ceil(length / chunk)
+        equal passes through every stage, pass i's piece attending to the i pieces before it
+        and itself. Attention is linear in the pairs, so the passes sum to rounds passes at the
+        mean pairs, piece x piece x (rounds + 1) / 2."""
+        rounds = max(1, -(-length // chunk))
+        piece = length / rounds
+        key = (length, chunk)
+        if key not in self._alone:
+            pairs = piece * piece * (rounds + 1) / 2
+            self._alone[key] = rounds * sum(self.batch_stage_ms(math.ceil(piece), 0, 0.0, pairs))
+        return self._alone[key]
 
     def prefill_ms(self, tokens: int) -> tuple[float, float]:
         """(latency, period): sum and max of the stage times for a micro-batch of `tokens`."""
