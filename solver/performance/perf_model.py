@@ -340,6 +340,13 @@ class PerfModel:
         size = _largest_within(stage_ms, budget_ms, max_size)
         if size == 0:
             return None
+        ops = self.calibration.operators.get(cfg.gpu_id, card, tp) if measured is None else None
+        if ops is not None:
+            # Measured GEMMs run in steps: a batch at the end of a step can serve more tokens/s
+            # than the largest batch within the budget. Between measured sizes time is linear,
+            # so the best batch is a measured size or the largest one.
+            steps = [int(x) for x in ops.tokens if x < size]
+            size = max([size, *steps], key=lambda x: (x * 1e3 / stage_ms(x), x))
         t = stage_ms(size)
         return ProfileEntry(
             node=cfg.id,
