@@ -116,7 +116,7 @@ def prefill_attainment(
     # piece between 64 tokens and C); the prompt's own passes take their exact idle time.
     alone = lat_64 + (lat_c - lat_64) * np.clip((piece - 64) / np.maximum(chunk - 64, 1), 0, 1)
     slack = budget_ms - engine.alone_ms - rounds * r * (lat_c - alone)
-    late = r * np.exp(-r * np.maximum(slack, 0.0) / np.maximum(wait_ms, 1e-9))
+    late = r * _wait_tail(np.maximum(slack, 0.0), wait_ms / r, r, lengths / mu * 1e3)
     # Steps are not preempted: an arrival that finds a pass under way waits for the rest of it,
     # up to a full chunk's latency (uniform), with the probability u that a pass is under way
     # (the share of time the prompts' own passes take at this rate).
@@ -124,6 +124,25 @@ def prefill_attainment(
     behind = busy * np.clip(1.0 - slack / lat_c, 0.0, 1.0)
     met = np.where(slack >= 0, (1.0 - late) * (1.0 - behind), 0.0).mean(axis=1)
     return np.asarray(np.where(rho >= 1.0, 0.0, met), dtype=np.float64)
+
+
+def _wait_tail(
+    t_ms: np.ndarray, mean_ms: np.ndarray, rho: np.ndarray, service_ms: np.ndarray
+) -> np.ndarray:
+    """P(W > t | W > 0) for a queue's wait W: a gamma with the conditional mean `mean_ms` and
+    the shape of M/G/1's wait (Pollaczek-Khinchine's first two moments) for the service times
+    `service_ms` (equally likely) at utilization `rho`. Exponential (shape 1) when service is
+    exponential; heavier-tailed (shape < 1) when a few long prompts make most of the work, as
+    lognormal lengths do, so a short prompt stuck behind two long ones is counted."""
+    from scipy.special import gammaincc
+
+    s1, s2, s3 = (float(np.mean(service_ms**k)) for k in (1, 2, 3))
+    lam = rho / s1
+    w1 = lam * s2 / (2 * (1 - rho))  # E[W]
+    w2 = 2 * w1**2 + lam * s3 / (3 * (1 - rho))  # E[W^2]
+    m1, m2 = w1 / rho, w2 / rho  # given W > 0 (probability rho)
+    shape = np.clip(m1**2 / np.maximum(m2 - m1**2, 1e-12), 0.05, 1.0)
+    return np.asarray(gammaincc(shape, t_ms * shape / np.maximum(mean_ms, 1e-9)), dtype=np.float64)
 
 
 def prefill_capacity(
@@ -193,41 +212,53 @@ def aggregated_meets(
         room = chunk - per_batch
         if decoding > max_seqs or room < 1:
             return False  # more sequences than --max-num-seqs or the KV cache admit
-        rounds = np.ceil(lengths / room)
-        mean_rounds = float(rounds.mean())
-        piece = mean_prompt / mean_rounds  # prompt tokens per prefill round
+        # vLLM fills each pass's room: a prompt takes floor(L / room) full pieces and one last
+        # piece of the rest (stage time is not linear in the piece: measured GEMMs run in steps).
+        full = np.floor(lengths / room)
+        rest = lengths - full * room
+        rounds = full + (rest > 0)
+        has_rest = float((rest > 0).mean())
+        mean_rest = float(rest[rest > 0].mean()) if has_rest else 0.0
         light = stage_s(per_batch, per_batch, 0)
-        heavy = stage_s(per_batch + piece, per_batch, piece)
+        heavy_full = stage_s(per_batch + room, per_batch, room)
+        heavy_rest = stage_s(per_batch + mean_rest, per_batch, mean_rest) if has_rest else light
+        mean_rounds = float(rounds.mean())
         # A prompt holds one micro-batch's room for its rounds, a pass through every stage
         # each; S micro-batches are in flight, so S prompts prefill at once.
-        holding = mean_rounds * s * heavy
+        holding = s * (float(full.mean()) * heavy_full + has_rest * heavy_rest)
         busy = rate * holding / s  # share of each micro-batch's passes that carry a prompt
         if busy >= 1:
             return False  # prompts arrive faster than the chunk beside decodes takes them
-        # A token's pass is heavy for the share rate x rounds x TPOT of passes: solved.
-        stall = rate * mean_rounds * s * (heavy - light)
+        # A heavy pass lengthens every stage step it takes by (heavy - light), and so every
+        # micro-batch's pass; when several of the S micro-batches carry a prompt in the same
+        # step, that step costs their heaviest only: a step is heavy with 1 - (1 - busy)^S,
+        # not S busy.
+        overlap = (1 - (1 - busy) ** s) / (s * busy) if busy > 0 else 1.0
+        per_prompt = float(full.mean()) * (heavy_full - light) + has_rest * (heavy_rest - light)
+        stall = rate * s * per_prompt * overlap
         if stall >= 1:
             return False
         nxt = s * light / (1 - stall)
         if abs(nxt - tpot) < FIXED_POINT_TOLERANCE * tpot:
             break
         tpot = (tpot + nxt) / 2
-    # Each prompt's rounds at its own piece, attending to its own length (a long prompt's
+    # Each prompt's rounds at its own pieces, attending to its own length (a long prompt's
     # chunks are full and attend far: heavier than the mean's).
     own = np.array(
         [
-            stage_s(per_batch + x / r, per_batch, x / r, x)
-            for x, r in zip(lengths, rounds, strict=True)
+            f * stage_s(per_batch + room, per_batch, room, x)
+            + (stage_s(per_batch + r, per_batch, r, x) if r > 0 else 0.0)
+            for x, f, r in zip(lengths, full, rest, strict=True)
         ]
     )
     # While a request of O tokens decodes, Poisson(rate (O - 1) TPOT) prompts arrive and each
-    # adds its rounds x (its heavy pass - light) to the S-stage passes of its window: its TPOT
-    # is met while that extra stays within (SLO - S light) (O - 1) / S. Counted in mean heavy
-    # passes (heavy - light), so a prompt of the mean's length adds its rounds.
+    # adds its passes' (heavy - light), shared as above, to the S-stage passes of its window:
+    # its TPOT is met while that extra stays within (SLO - S light) (O - 1) / S. Counted in
+    # units of one full heavy pass's extra.
     steps = np.maximum(outputs - 1, 1)
-    unit = max(heavy - light, 1e-12)
+    unit = max(heavy_full - light, 1e-12)
     allowed = (tpot_slo_s - s * light) * steps / (s * unit)
-    extra = rounds * np.maximum(own - light, 0.0) / unit
+    extra = np.maximum(own - rounds * light, 0.0) * overlap / unit
     # Each heavy pass lengthens the window, letting more prompts in (a branching process with
     # mean offspring `stall` per pass): the mean is in TPOT already, the count's variance grows
     # by 1 / (1 - stall)^2 beyond Poisson's.
@@ -238,7 +269,7 @@ def aggregated_meets(
     # S = 1), waiting at all with probability p_wait, then exponentially.
     p_wait = busy ** (math.sqrt(2 * (s + 1)) - 1)
     wait = p_wait / (s * (1 - busy)) * (arrival_scv + cs2) / 2 * holding
-    slack = ttft_s - s * light / 2 - rounds * s * own
+    slack = ttft_s - s * light / 2 - s * own
     late = p_wait * np.exp(-p_wait * np.maximum(slack, 0.0) / max(wait, 1e-12))
     ttft_met = float(np.where(slack >= 0, 1.0 - late, 0.0).mean())
     return ttft_met * tpot_met >= target
