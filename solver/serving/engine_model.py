@@ -116,7 +116,7 @@ def prefill_attainment(
     # piece between 64 tokens and C); the prompt's own passes take their exact idle time.
     alone = lat_64 + (lat_c - lat_64) * np.clip((piece - 64) / np.maximum(chunk - 64, 1), 0, 1)
     slack = budget_ms - engine.alone_ms - rounds * r * (lat_c - alone)
-    late = r * _wait_tail(np.maximum(slack, 0.0), wait_ms / r, r, lengths / mu * 1e3)
+    late = r * np.exp(-r * np.maximum(slack, 0.0) / np.maximum(wait_ms, 1e-9))
     # Steps are not preempted: an arrival that finds a pass under way waits for the rest of it,
     # up to a full chunk's latency (uniform), with the probability u that a pass is under way
     # (the share of time the prompts' own passes take at this rate).
@@ -124,25 +124,6 @@ def prefill_attainment(
     behind = busy * np.clip(1.0 - slack / lat_c, 0.0, 1.0)
     met = np.where(slack >= 0, (1.0 - late) * (1.0 - behind), 0.0).mean(axis=1)
     return np.asarray(np.where(rho >= 1.0, 0.0, met), dtype=np.float64)
-
-
-def _wait_tail(
-    t_ms: np.ndarray, mean_ms: np.ndarray, rho: np.ndarray, service_ms: np.ndarray
-) -> np.ndarray:
-    """P(W > t | W > 0) for a queue's wait W: a gamma with the conditional mean `mean_ms` and
-    the shape of M/G/1's wait (Pollaczek-Khinchine's first two moments) for the service times
-    `service_ms` (equally likely) at utilization `rho`. Exponential (shape 1) when service is
-    exponential; heavier-tailed (shape < 1) when a few long prompts make most of the work, as
-    lognormal lengths do, so a short prompt stuck behind two long ones is counted."""
-    from scipy.special import gammaincc
-
-    s1, s2, s3 = (float(np.mean(service_ms**k)) for k in (1, 2, 3))
-    lam = rho / s1
-    w1 = lam * s2 / (2 * (1 - rho))  # E[W]
-    w2 = 2 * w1**2 + lam * s3 / (3 * (1 - rho))  # E[W^2]
-    m1, m2 = w1 / rho, w2 / rho  # given W > 0 (probability rho)
-    shape = np.clip(m1**2 / np.maximum(m2 - m1**2, 1e-12), 0.05, 1.0)
-    return np.asarray(gammaincc(shape, t_ms * shape / np.maximum(mean_ms, 1e-9)), dtype=np.float64)
 
 
 def prefill_capacity(

@@ -73,6 +73,10 @@ class LinearInstance:
         ms = 1.0 + self.per_token_ms * tokens
         return len(self.stages) * ms, ms
 
+    def prompt_alone_ms(self, length: int, chunk: int) -> float:
+        rounds = -(-length // chunk)
+        return rounds * len(self.stages) + self.per_token_ms * length * len(self.stages)
+
 
 def instance(t: ServingTemplate) -> LinearInstance:
     # Per-token time from T̂: a faster template's steps are shorter. A prefill instance
