@@ -116,7 +116,15 @@ def prefill_attainment(
     # piece between 64 tokens and C); the prompt's own passes take their exact idle time.
     alone = lat_64 + (lat_c - lat_64) * np.clip((piece - 64) / np.maximum(chunk - 64, 1), 0, 1)
     slack = budget_ms - engine.alone_ms - rounds * r * (lat_c - alone)
-    late = r * np.exp(-r * np.maximum(slack, 0.0) / np.maximum(wait_ms, 1e-9))
+    # A prompt that waits is joined in its first pass by the prompts arriving while it waits
+    # (vLLM schedules every waiting prompt into the next step, up to the chunk), which adds
+    # their tokens' time to its own: the wait's tail, given a wait (mean wait_ms / r), grows by
+    # what lambda x that mean brings, each arrival taking the room its piece leaves.
+    per_ms = r * mu / mean / 1e3  # prompts per ms
+    room = np.maximum(chunk - piece, 0.0)
+    joined = np.minimum(lengths[None, None, :], room[:, :, None]).mean(axis=2) / mu * 1e3
+    tail_ms = wait_ms / r * (1 + per_ms * joined)
+    late = r * np.exp(-np.maximum(slack, 0.0) / np.maximum(tail_ms, 1e-9))
     # Steps are not preempted: an arrival that finds a pass under way waits for the rest of it,
     # up to a full chunk's latency (uniform), with the probability u that a pass is under way
     # (the share of time the prompts' own passes take at this rate).
