@@ -49,7 +49,7 @@ from solver.serving.serving_template import ServingTemplate
 from solver.simulation.workload import Workload
 from solver.stack import Slo
 
-CAPACITY_MODEL_VERSION = 6  # raise when a formula changes: cached factors are recomputed
+CAPACITY_MODEL_VERSION = 7  # raise when a formula changes: cached factors are recomputed
 PREFILL_SHARE = 0.7  # of the miss budget 1 - target
 ADMISSION_SHARE = 0.1  # of the TTFT SLO, left for decode's admission wait
 MAX_UTILIZATION = 0.98

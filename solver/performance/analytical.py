@@ -40,12 +40,14 @@ from solver.catalog.offers import NodeConfig
 from solver.errors import InputError
 from solver.types import Phase
 
-PERF_MODEL_VERSION = "5"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
+PERF_MODEL_VERSION = "6"  # 2: decode pipelines hold KV for every micro-batch in flight; 3: the
 # last stage of a pipeline pays no hop, and an aggregated replica runs one TP for both phases;
 # 4: fixed costs belong to the runtime (vllm by default, helix for fitting Helix's files), a
 # per-step cost per stage pass, all-reduce per interconnect and TP, no GPU uses a generic default;
 # 5: attention and elementwise kernels timed with their own fitted factors (Vidur's operators),
-# GEMMs on a smooth roofline (smax = the p-norm of the memory and compute times, p = 2)
+# GEMMs on a smooth roofline (smax = the p-norm of the memory and compute times, p = 2);
+# 6: measured GEMM and elementwise times where a profile covers the layer's shape on the GPU at
+# the TP degree (`operator_tables`), and the profile table's batch at a measured step's end
 
 Bound = Literal["compute", "memory"]
 

@@ -100,6 +100,10 @@ def input_hashes(
                     for k, v in sorted(perf.calibration.allreduce.items())
                 },
                 "kernels": {g: k.model_dump() for g, k in sorted(perf.calibration.kernels.items())},
+                "operators": {
+                    f"{gpu}/{shape}/tp{tp}": [t.tokens, t.gemm_ms, t.elementwise_ms]
+                    for (gpu, shape, tp), t in sorted(perf.calibration.operators.tables.items())
+                },
                 # The parsed points, not only the keys: a re-measured table must mark it stale.
                 "measured": {
                     "/".join(key): {"x": list(t.x), "ms": list(t.ms)}
