@@ -9,19 +9,22 @@ Both read an instance only through its stage times (`prefill_ms`, `batch_stage_m
 **Prefill-only** (`prefill_attainment`): under load every step is a full chunk C, so the
 instance serves mu = C / period(C) prompt tokens/s and rho = rate / mu. A prompt of L tokens
 waits for the queue ahead (Kingman's G/G/1 mean in token time, with an exponential tail reached
-with probability rho), then takes ceil(L / C) passes through every stage; a pass carries its own
-piece and, with probability rho, the rest of the chunk filled by other prompts (stage time
-linear in tokens between 64 and C). So a big chunk is fast alone and slow under load: each
-prompt waits for every prompt packed beside it.
+with probability rho; the prompts arriving while it waits join its first pass, which lengthens
+the tail), then takes ceil(L / C) passes through every stage at their exact idle time; a pass
+carries its own piece and, with probability rho, the rest of the chunk filled by other prompts
+(stage time linear in tokens between 64 and C). So a big chunk is fast alone and slow under
+load: each prompt waits for every prompt packed beside it.
 
 **Aggregated** (`aggregated_meets`; vLLM's chunked prefill, prefill and decode in one step): a
 request gets a token once per pass of its micro-batch through all S stages. At rate lambda,
 b = lambda O TPOT sequences decode (Little), b / S per micro-batch. A prompt of L tokens
-prefills in ceil(L / room) rounds, room = C - b / S, and while it does its micro-batch is heavy
-(its stage time with the prompt's piece), which holds every micro-batch behind it. A decoding
-request's passes are heavy for a share f = lambda E[rounds] TPOT of them, so
-TPOT = S light / (1 - lambda E[rounds] S (heavy - light)), with light and heavy at b / S decodes
-(a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
+prefills in floor(L / room) full pieces of room = C - b / S tokens and one piece of the rest,
+and while it does its micro-batch is heavy (its stage time with the piece), which holds every
+micro-batch behind it: each pass adds its S stage steps' (heavy - light). A step where several
+micro-batches carry a prompt costs their heaviest once, so with a share `busy` of passes
+carrying a prompt the extra is shared by (1 - (1 - busy)^S) / (S busy). So
+TPOT = S light / (1 - lambda S E[extra per prompt] x that share), with light and heavy at b / S
+decodes (a fixed point in b). The rate is feasible when the target share of requests meet both SLOs:
 TPOT per output length (while a request of O tokens decodes, Poisson(lambda (O - 1) TPOT)
 prompts arrive, each making a run of its rounds heavy, each round at its own piece and its own
 length's attention: short outputs are the ones one long prompt pushes over) times TTFT per
@@ -125,11 +128,14 @@ def prefill_attainment(
     joined = np.minimum(lengths[None, None, :], room[:, :, None]).mean(axis=2) / mu * 1e3
     tail_ms = wait_ms / r * (1 + per_ms * joined)
     late = r * np.exp(-np.maximum(slack, 0.0) / np.maximum(tail_ms, 1e-9))
-    # Steps are not preempted: an arrival that finds a pass under way waits for the rest of it,
-    # up to a full chunk's latency (uniform), with the probability u that a pass is under way
-    # (the share of time the prompts' own passes take at this rate).
-    busy = np.minimum(1.0, r * mu / mean * engine.alone_ms.mean(axis=1)[:, None] / 1e3)
-    behind = busy * np.clip(1.0 - slack / lat_c, 0.0, 1.0)
+    # Steps are not preempted: an arrival that finds the first stage busy waits for the rest of
+    # its pass there, up to a full chunk's period (uniform; the latency on one stage, half of
+    # it on two), with the probability that the first stage is busy (the share of time the
+    # prompts' own passes hold it at this rate).
+    period = chunk / mu * 1e3
+    held = engine.alone_ms.mean(axis=1)[:, None] * period / lat_c
+    busy = np.minimum(1.0, r * mu / mean * held / 1e3)
+    behind = busy * np.clip(1.0 - slack / period, 0.0, 1.0)
     met = np.where(slack >= 0, (1.0 - late) * (1.0 - behind), 0.0).mean(axis=1)
     return np.asarray(np.where(rho >= 1.0, 0.0, met), dtype=np.float64)
 
@@ -211,7 +217,6 @@ def aggregated_meets(
         light = stage_s(per_batch, per_batch, 0)
         heavy_full = stage_s(per_batch + room, per_batch, room)
         heavy_rest = stage_s(per_batch + mean_rest, per_batch, mean_rest) if has_rest else light
-        mean_rounds = float(rounds.mean())
         # A prompt holds one micro-batch's room for its rounds, a pass through every stage
         # each; S micro-batches are in flight, so S prompts prefill at once.
         holding = s * (float(full.mean()) * heavy_full + has_rest * heavy_rest)
