@@ -14,7 +14,9 @@ What a cloud node has that this machine lacks is replaced by local stand-ins, ea
   like `hf download` it writes each file under a temporary name and renames it, and skips a file
   the local folder already holds;
 - the nodes of a prefill/decode pair share one models folder (`models_dir`): on the cloud each
-  has /opt/coral/models/<model>, and the NIXL handshake compares that path;
+  has /opt/coral/models/<model>, and the NIXL handshake compares that path; they share the setup
+  lock beside it too, as a node's processes share theirs, so that one fetches the weights while
+  the other waits (two fetches into one folder race on the index they rewrite);
 - `CPU_ENV`: what vLLM on CPU needs in each process's environment;
 - `share_host`: two nodes on one host cannot both bind the NIXL side-channel port, so a second
   prefill/decode node's is moved (each node announces its own; the peer learns it in-band).
@@ -190,18 +192,22 @@ def lay_out(
 ) -> Node:
     """Write one node's rendered files under `root` with the stand-ins of the module doc; the
     layer partition rescaled to the tiny model's `layers` (VLLM_PP_LAYER_PARTITION);
-    /opt/coral/models at `models_dir` when given (shared by the nodes of a pair)."""
+    /opt/coral/models at `models_dir` when given (shared by the nodes of a pair, with the setup
+    lock)."""
     doc = yaml.safe_load(user_data)
     files = {w["path"]: w["content"] for w in doc["write_files"]}
     out: dict[str, str] = {}
     for path, content in files.items():
         if models_dir is not None:
             content = content.replace("/opt/coral/models", str(models_dir))
+            content = content.replace("/opt/coral/setup.lock", f"{models_dir}.setup.lock")
         for local in LOCAL_PATHS:
             content = content.replace(local, f"{root}{local}")
         content = content.replace("http://169.254.169.254", metadata.url)
         content = content.replace("http://metadata.google.internal", metadata.url)
         out[path] = content
+    if models_dir is not None:
+        assert f"{models_dir}.setup.lock" in out[START], "the start script's setup lock moved"
     env = dict(
         shlex.split(line)[0].split("=", 1) for line in out["/etc/coral/node.env"].splitlines()
         if "=" in line and not line.startswith("#")

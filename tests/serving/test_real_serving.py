@@ -37,6 +37,7 @@ REPO = Path(__file__).resolve().parents[2]
 KEY = "test-api-key-7f3a"
 TINY_LAYERS = 4
 BOOT_S = 900  # a boot takes 1-3 minutes here, longer with a cold compile cache on a busy machine
+WARM_UP_S = 500  # a prefill/decode pair's warm-up: past the decode's 480 s registration timeout
 
 
 def make_tiny(folder: Path, architecture: str = "llama", layers: int = TINY_LAYERS) -> Path:
@@ -56,6 +57,14 @@ def make_tiny(folder: Path, architecture: str = "llama", layers: int = TINY_LAYE
 @pytest.fixture(scope="module")
 def tiny_model(tmp_path_factory) -> Path:
     return make_tiny(tmp_path_factory.mktemp("tiny"))
+
+
+def log_tails(logs: dict[str, Path], lines: int = 15) -> str:
+    """The last `lines` lines of each process's log, for a failure message."""
+    return "\n".join(
+        f"--- {name}\n" + "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+        for name, path in logs.items() if path.exists()
+    )  # fmt: skip
 
 
 def running_argv(pid: int) -> list[str]:
@@ -259,14 +268,20 @@ def test_a_prefill_decode_pair_serves_through_its_router_and_the_gateway(tiny_mo
         harness.wait_healthy(router_url, procs, 120)
 
         body = {"model": "llama3.1-70b", "prompt": "The plan", "max_tokens": 8, "temperature": 0}
-        # A fresh pair's first request can hang in vLLM's NIXL transfer (upstream issue
-        # vllm-project/vllm#53095): warm up with a bounded timeout, then require answers.
-        for _ in range(3):
-            if call("POST", f"{router_url}/v1/completions", body, timeout=60)[0] == 200:
+        # A fresh pair's first requests can hang in vLLM's NIXL transfer (upstream issue
+        # vllm-project/vllm#53095): on this busy CPU the decode's handshake with the prefill
+        # can finish only after the prefill's 30 s KV lease has expired, and a stranded request
+        # waits out the decode's 480 s registration timeout. Warm up until one answers (or that
+        # timeout has passed), then require answers.
+        warm_up = time.monotonic()
+        while time.monotonic() - warm_up < WARM_UP_S:
+            if call("POST", f"{router_url}/v1/completions", body, timeout=90)[0] == 200:
                 break
         status, text = call("POST", f"{router_url}/v1/completions", body, timeout=120)
         # Random weights may pick tokens that decode to nothing: count them instead.
-        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] > 0, text
+        assert status == 200 and json.loads(text)["usage"]["completion_tokens"] > 0, (
+            f"{text} after {time.monotonic() - warm_up:.0f} s\n{log_tails(logs)}"
+        )
         metrics = call("GET", f"{prefill_url}/metrics")[1]
         prompts = [line for line in metrics.splitlines()
                    if line.startswith("vllm:prompt_tokens_total")]  # fmt: skip
