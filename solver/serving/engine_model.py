@@ -76,6 +76,7 @@ class PrefillEngine:
     latency_64_ms: np.ndarray
     mu: np.ndarray
     alone_ms: np.ndarray
+    joined_tokens: np.ndarray
 
     @staticmethod
     def of(inst: PrefillTimes, chunks: Sequence[int], lengths: np.ndarray) -> PrefillEngine:
@@ -86,6 +87,7 @@ class PrefillEngine:
             np.full(len(chunks), inst.prefill_ms(64)[0]),
             np.array([c / period * 1e3 for c, (_, period) in zip(chunks, passes, strict=True)]),
             np.array([[inst.prompt_alone_ms(int(x), c) for x in lengths] for c in chunks]),
+            joined_tokens(np.array(chunks, dtype=np.float64), lengths),
         )
 
     @staticmethod
@@ -94,7 +96,25 @@ class PrefillEngine:
             *(np.concatenate([getattr(e, f) for e in engines]) for f in PrefillEngine.FIELDS)
         )
 
-    FIELDS: ClassVar[tuple[str, ...]] = ("chunk", "latency_ms", "latency_64_ms", "mu", "alone_ms")
+    FIELDS: ClassVar[tuple[str, ...]] = (
+        "chunk",
+        "latency_ms",
+        "latency_64_ms",
+        "mu",
+        "alone_ms",
+        "joined_tokens",
+    )
+
+
+def joined_tokens(chunk: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """Per chunk (rows) and prompt length (columns), the mean tokens one arriving prompt (of
+    `lengths`, equally likely) adds to the prompt's first pass: at most the room its piece
+    leaves in the chunk. Independent of the load, so computed once per engine."""
+    rounds = np.ceil(lengths[None, :] / chunk[:, None])
+    room = np.maximum(chunk[:, None] - lengths[None, :] / rounds, 0.0)
+    return np.asarray(
+        np.minimum(lengths[None, None, :], room[:, :, None]).mean(axis=2), dtype=np.float64
+    )
 
 
 def prefill_attainment(
@@ -124,8 +144,7 @@ def prefill_attainment(
     # their tokens' time to its own: the wait's tail, given a wait (mean wait_ms / r), grows by
     # what lambda x that mean brings, each arrival taking the room its piece leaves.
     per_ms = r * mu / mean / 1e3  # prompts per ms
-    room = np.maximum(chunk - piece, 0.0)
-    joined = np.minimum(lengths[None, None, :], room[:, :, None]).mean(axis=2) / mu * 1e3
+    joined = engine.joined_tokens / mu * 1e3
     tail_ms = wait_ms / r * (1 + per_ms * joined)
     late = r * np.exp(-np.maximum(slack, 0.0) / np.maximum(tail_ms, 1e-9))
     # Steps are not preempted: an arrival that finds the first stage busy waits for the rest of
