@@ -9,7 +9,9 @@
   - `colocate_phases`: a disaggregated model buys region by region, opening a region only with
     room for at least one prefill and one decode instance there (regions already open are
     filled first, so an extra partner instance is bought only when no open region has room);
-  - the budget, and demand it cannot meet: each model's demand is scaled down by the rule
+  - the budget: spent as it buys, like availability, so a config whose next instance the
+    budget cannot pay for gives way to the next best one;
+  - demand it cannot meet: each model's demand is scaled down by the rule
     Coral's ILP follows (max-min fair across models, then the most it can; `scale_fairly`)
     until Homo serves all of it within the budget, and the plan's `binding` says which of
     availability, GPU pools, colocation or the budget stopped it. (The paper scales every
@@ -66,12 +68,17 @@ def homo_solution(
     full = _homo_greedy(fleet, market, demand, columns)
     if full.fraction >= 1 and _within(full, columns, budget):
         return full
+    # Under a budget the greedy spends it as it buys, like availability: a config whose next
+    # instance the budget cannot pay for gives way to the next one (a pair of the most
+    # efficient config may cost more than the whole budget where a cheaper config fits).
     fractions, best = scale_fairly(
-        lambda d: _homo_greedy(fleet, market, d, columns),
+        lambda d: _homo_greedy(fleet, market, d, columns, budget),
         demand,
         lambda s: s.fraction >= 1 and _within(s, columns, budget),
         priorities(fleet),
     )
+    if min(fractions.values(), default=1.0) >= 1:  # a cheaper config serves it all in budget
+        return best
     binding = list(full.binding)
     if budget is not None and not _within(full, columns, budget):
         binding.append(
@@ -152,6 +159,7 @@ class _Stock:
     market: Market
     left: dict[tuple[RegionId, str], int]
     pools: dict[tuple[RegionId, str], int]
+    budget: float = math.inf  # $/hour left to spend
     counts: dict[int, int] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)  # model -> sites not opened
 
@@ -162,6 +170,8 @@ class _Stock:
             gpu, per_node = self.market.gpu_of[node]
             if (col.region, gpu) in self.pools:
                 n = min(n, self.pools[(col.region, gpu)] // (k * per_node))
+        if col.price > 0 and math.isfinite(self.budget):
+            n = min(n, math.floor((self.budget + 1e-6) / col.price))
         return max(0, n)
 
     def take(self, i: int, col: Column, n: int) -> None:
@@ -169,6 +179,7 @@ class _Stock:
         self.counts[i] = self.counts.get(i, 0) + n
         if not self.counts[i]:
             del self.counts[i]
+        self.budget -= n * col.price
         for node, k in col.usage:
             self.left[(col.region, node)] -= n * k
             gpu, per_node = self.market.gpu_of[node]
@@ -177,10 +188,20 @@ class _Stock:
 
 
 def _homo_greedy(
-    fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
+    fleet: FleetConfig,
+    market: Market,
+    demand: dict[Job, float],
+    columns: list[Column],
+    budget: float | None = None,
 ) -> Solution:
-    """One greedy pass; availability is consumed model by model, in stack order."""
-    stock = _Stock(market, dict(market.available), dict(market.gpu_pools))
+    """One greedy pass; availability (and `budget`, $/hour) is consumed model by model, in
+    stack order."""
+    stock = _Stock(
+        market,
+        dict(market.available),
+        dict(market.gpu_pools),
+        math.inf if budget is None else budget,
+    )
     homo = [(i, c) for i, c in enumerate(columns) if homogeneous(c)]
     served: dict[Job, float] = {}
     for model in fleet.models:

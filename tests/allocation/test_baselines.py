@@ -103,6 +103,27 @@ def test_homo_serves_nothing_when_one_pair_costs_more_than_the_budget():
     assert any("raise coral:fleet.allocation.budget_usd_per_hour" in b for b in s.binding)
 
 
+def test_homo_under_a_budget_falls_back_to_a_config_it_can_afford():
+    """Config `big` serves 300 units per node at 5 $/h (the most efficient), `x` 100 at 1 $/h.
+    A 6 $/h budget pays for no pair of `big`, so Homo must fall back to `x`: 3 + 3 nodes serve
+    all 300 units per phase. (It used to buy nothing: the best config's pair did not fit.)"""
+    f, market, demand, columns = hand_built(10, 0, 300, budget_usd_per_hour=6)
+    big = Market(
+        {**market.price, (A, "big"): 5.0},
+        {**market.available, (A, "big"): 10},
+        {},
+        {**market.gpu_of, "big": ("g", 1)},
+    )
+    columns += [
+        Column(("phi-4", ph), A, SimpleNamespace(throughput=300.0, key="big"), 5.0, (("big", 1),))  # type: ignore[arg-type]
+        for ph in ("decode", "prefill")
+    ]
+    s = homo_solution(f, big, demand, columns)
+    assert s.fraction == pytest.approx(1.0) and s.binding == []
+    assert cost(columns, s.counts) == pytest.approx(6.0)
+    assert {columns[i].usage[0][0] for i in s.counts} == {"x"}
+
+
 def test_homo_names_the_gpu_pool_that_stops_it():
     f, market, demand, columns = hand_built(5, 5, 300)
     pooled = Market(market.price, market.available, {(A, "g"): 2, (B, "g"): 2}, market.gpu_of)
