@@ -13,7 +13,8 @@ no V100, T4 or A100-40GB; the paper used AWS us-east-2 prices there). A scarce s
 are made exhaustive in the paper variant (`exhaustive_pools`).
 
 `plan_recorded` runs `plan_with_library`'s steps (libraries, closed loop and verification,
-validation) for any method and also returns what the LP relaxation needs.
+Coral's searches over restrictions of its templates, validation) for any method and also returns
+what the LP relaxation needs.
 """
 
 from __future__ import annotations
@@ -28,9 +29,8 @@ from solver.catalog.market import build_market
 from solver.catalog.offers import Catalog
 from solver.evaluation.paper_results import paper_results
 from solver.performance.perf_model import PerfModel
-from solver.plan.attainment import plan_to_target
 from solver.plan.demand import stack_demand
-from solver.plan.planner import libraries_for, plan_stack
+from solver.plan.planner import libraries_for, plan_to_targets
 from solver.plan.validator import validate_plan
 from solver.plan_schema import Method, Plan, template_ref
 from solver.serving.library import Library
@@ -233,13 +233,17 @@ def plan_recorded(
         perf, fleet, list(stack_demand(fleet)), directory, True, workers, stack=name, force=True
     )
     rounds: list[tuple[Plan, dict[str, float]]] = []
-
-    def solve(factors: dict[str, float]) -> Plan:
-        plan = plan_stack(name, fleet, perf.catalog, libs, None, method, factors)
-        rounds.append((plan, factors))
-        return plan
-
-    plan = plan_to_target(fleet, perf, libs, solve, root, None, cache=directory)
+    plan = plan_to_targets(
+        name,
+        fleet,
+        perf,
+        libs,
+        method=method,
+        root=root,
+        cache=directory,
+        workers=workers,
+        on_solve=lambda plan, factors: rounds.append((plan, factors)),
+    )
     factors = next(
         (
             f

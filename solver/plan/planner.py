@@ -11,14 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
+from typing import Literal
 
 from solver import timing
 from solver.allocation.baselines import cauchy_columns, homo_solution, priorities
 from solver.allocation.paper_baselines import paper_baseline
-from solver.allocation.problem import Column, Problem, Solution, make_columns
+from solver.allocation.problem import Column, Problem, Solution, make_columns, priority_tiers
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market, build_market
-from solver.catalog.offers import Catalog
+from solver.catalog.offers import Catalog, split_node_id
 from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
@@ -230,16 +231,21 @@ def plan_stack(
     previous: Plan | None = None,
     method: Method = "coral",
     factors: dict[str, float] | None = None,
+    restriction: Restriction | None = None,
 ) -> Plan:
     """Solve the allocation for a stack (or run a baseline) and assemble the plan.
 
     `factors` (template ref -> capacity at the SLO target / throughput, from
     `solver.plan.attainment`) scale each template's throughput; a template with factor 0 is
     not offered. None: every template at its library throughput (the paper's formulation).
+    `restriction`: offer only the templates it keeps (`RESTRICTIONS`).
     """
     demand = stack_demand(fleet)
     market = build_market(fleet, catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
+    if restriction is not None:
+        keeps = RESTRICTIONS[restriction]
+        templates = {job: [t for t in ts if keeps(t)] for job, ts in templates.items()}
     if factors is not None:
         templates = {
             job: [at_capacity(t, f) for t in ts if (f := factors[template_ref(*job, t.key)]) > 0]
@@ -263,6 +269,17 @@ def plan_stack(
     )
 
 
+Restriction = Literal["one GPU type", "single config"]
+# Restrictions of Coral's template space that its closed loop also searches (`plan_to_targets`),
+# widest first. "single config" is Cauchy's space (one node config per template), so Coral's
+# plan is never dearer than Cauchy's at the same targets; "one GPU type" is what
+# `library.mixing: false` builds.
+RESTRICTIONS: dict[Restriction, Callable[[ServingTemplate], bool]] = {
+    "one GPU type": lambda t: len({split_node_id(n)[0] for n in t.nodes}) == 1,
+    "single config": lambda t: len(set(t.nodes)) == 1,
+}
+
+
 def plan_to_targets(
     stack: str,
     fleet: FleetConfig,
@@ -275,19 +292,24 @@ def plan_to_targets(
     cache: Path | None = None,
     simulations: Simulations | None = None,
     workers: int = 1,
+    on_solve: Callable[[Plan, dict[str, float]], None] | None = None,
 ) -> Plan:
     """The method planned to the models' SLO attainment targets (the closed loop and the
-    verification, `attainment.plan_to_target`). For Coral the loop also runs over single-config
-    templates, and the better plan is kept (`better_at_target`). Both loops reuse each other's
-    simulations (and the caller's, given `simulations`). `workers`: processes for the capacity
-    model of templates not cached."""
+    verification, `attainment.plan_to_target`). For Coral the loop also runs over each of
+    `RESTRICTIONS` that offers other templates than the searches before it, and the best plan
+    is kept (`best_at_target`). The loops reuse each other's simulations (and the caller's,
+    given `simulations`). `workers`: processes for the capacity model of templates not cached;
+    `on_solve(plan, factors)`: called for every allocation the loops solve."""
     sims = simulations if simulations is not None else Simulations(perf, root)
 
-    def solve_as(how: Method) -> Callable[[dict[str, float]], Plan]:
+    def solve_as(
+        how: Method, restriction: Restriction | None = None
+    ) -> Callable[[dict[str, float]], Plan]:
         def solve(factors: dict[str, float]) -> Plan:
-            return plan_stack(
-                stack, fleet, perf.catalog, libs, previous, method=how, factors=factors
-            )
+            plan = plan_stack(stack, fleet, perf.catalog, libs, previous, how, factors, restriction)
+            if on_solve:
+                on_solve(plan, factors)
+            return plan
 
         return solve
 
@@ -295,7 +317,7 @@ def plan_to_targets(
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
     with timing.phase("capacity model"):
-        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for both searches
+        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for every search
     plan = plan_to_target(
         fleet, perf, libs, solve_as(method), root, on_round, base=base, simulations=sims
     )
@@ -303,46 +325,106 @@ def plan_to_targets(
         return plan
     # The closed loop is a search over whole instances, and its path depends on where it
     # starts: on staging it ended at 17.88 $/h where the same loop over single-config
-    # templates (Cauchy's, a restriction of Coral's) ended at 12.85 at the same targets.
-    # Every plan of that restricted search is a Coral plan, so Coral keeps the better.
+    # templates ended at 12.85, and on prod at 42.34 where the loop over one-GPU-type templates
+    # ended at 40.48, at the same targets. Every plan of a restricted search is a Coral plan,
+    # so Coral keeps the best.
+    searched = [_offered(libs, None)]
+    found: list[tuple[str, Plan]] = [("mixed", plan)]
+    for restriction in RESTRICTIONS:
+        offered = _offered(libs, restriction)
+        if not any(offered) or offered in searched:  # the same search again: the same plan
+            continue
+        searched.append(offered)
 
-    def said(line: str) -> None:
-        if on_round:
-            on_round(f"single-config search, {line}")
+        def said(line: str, name: str = restriction) -> None:
+            if on_round:
+                on_round(f"{name} search, {line}")
 
-    try:
-        single = plan_to_target(
-            fleet, perf, libs, solve_as("cauchy"), root, said, base=base, simulations=sims
-        )
-    except CoralError as exc:  # the restricted search is a second opinion: Coral's plan stands
-        said(f"failed: {exc}")
-        return plan
-    return better_at_target(plan, single)
+        try:
+            found.append(
+                (
+                    restriction,
+                    plan_to_target(
+                        fleet,
+                        perf,
+                        libs,
+                        solve_as("coral", restriction),
+                        root,
+                        said,
+                        base=base,
+                        simulations=sims,
+                    ),
+                )
+            )
+        except CoralError as exc:  # a restricted search is a second opinion
+            said(f"failed: {exc}")
+    return best_at_target(found, priorities(fleet))
 
 
-def better_at_target(coral: Plan, single: Plan) -> Plan:
-    """Coral's closed-loop plan, or the plan of the same loop over single-config templates
-    (a restriction of Coral's search, so a Coral plan too) when that one serves at least as
-    much, meets every target Coral's meets, and costs less; it is then labelled Coral's, and
-    its closed_loop_stop says where it came from."""
+def _offered(libs: dict[Job, Library], restriction: Restriction | None) -> frozenset[str]:
+    """The templates a search offers (template refs)."""
+    keeps = RESTRICTIONS[restriction] if restriction is not None else (lambda t: True)
+    return frozenset(
+        template_ref(m, ph, t.key)
+        for (m, ph), lib in libs.items()
+        for t in lib.templates
+        if keeps(t)
+    )
 
-    def served(p: Plan) -> float:
-        return sum(p.served_fractions.values()) if p.served_fractions else p.served_fraction
 
-    coral_short = {a.model for a in coral.below_target()}
-    single_short = {a.model for a in single.below_target()}
-    if (
-        served(single) >= served(coral) - 1e-9
-        and single_short <= coral_short
-        and single.hourly_cost_usd < coral.hourly_cost_usd - 1e-6
-    ):
-        why = (
-            f"{single.closed_loop_stop}; kept the single-config search's plan "
-            f"({single.hourly_cost_usd:.2f} $/h, every instance on one node config), cheaper "
-            f"than the mixed search's {coral.hourly_cost_usd:.2f} $/h at the same targets"
-        )
-        return single.model_copy(update={"method": coral.method, "closed_loop_stop": why})
-    return coral
+SERVED_TOLERANCE = 1e-4  # plans floor served fractions to 0.01%
+
+
+def served_key(plan: Plan, priority: dict[str, int]) -> tuple[float, ...]:
+    """How much a plan serves, by the allocation's rule, as a key that sorts better plans
+    higher: per priority tier (highest first) the least served fraction, then the tier's total
+    (`solver.allocation.problem.priority_tiers`)."""
+    fractions = plan.served_fractions or {m: plan.served_fraction for m in priority}
+    key: list[float] = []
+    for tier in priority_tiers(sorted(fractions), priority):
+        shares = [fractions[m] for m in tier]
+        key += [round(min(shares) / SERVED_TOLERANCE), round(sum(shares) / SERVED_TOLERANCE)]
+    return tuple(key)
+
+
+def least_served(plan: Plan) -> float:
+    """The least served model's share of its demand."""
+    return min(plan.served_fractions.values(), default=plan.served_fraction)
+
+
+def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | None = None) -> Plan:
+    """The best of the closed loop's searches (the mixed one first, then restrictions of it):
+    a later search's plan replaces the best so far when it meets every target that one meets
+    and either serves more (max-min fair by priority, then the most in total: `served_key`) or
+    serves as much for less. A replacing plan keeps the first plan's method, and its
+    closed_loop_stop says which search it came from."""
+    first_name, best = found[0]
+    best_name = first_name
+    priority = priority if priority is not None else {m: 0 for m in best.served_fractions}
+    for name, plan in found[1:]:
+        if not {a.model for a in plan.below_target()} <= {a.model for a in best.below_target()}:
+            continue
+        more, was = served_key(plan, priority), served_key(best, priority)
+        if more > was or (more == was and plan.hourly_cost_usd < best.hourly_cost_usd - 1e-6):
+            best, best_name = plan, name
+    if best_name == first_name:
+        return best
+    first = found[0][1]
+    how = (
+        "serves as much for less"
+        if served_key(best, priority) == served_key(first, priority)
+        else f"serves more (the least served model {least_served(best):.1%}, against "
+        f"{least_served(first):.1%})"
+    )
+    others = ", ".join(
+        f"{name} {p.hourly_cost_usd:.2f} $/h" for name, p in found if name != best_name
+    )
+    why = (
+        f"{best.closed_loop_stop}; kept the {best_name} search's plan "
+        f"({best.hourly_cost_usd:.2f} $/h; {others}): it meets every target the {first_name} "
+        f"search's plan meets and {how}"
+    )
+    return best.model_copy(update={"method": found[0][1].method, "closed_loop_stop": why})
 
 
 def plan_with_library(
