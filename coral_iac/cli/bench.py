@@ -94,7 +94,8 @@ def bench_row(
     name: str, mode: str, method: str, fleet: Any, perf: Any, libs: Any, label: str | None = None
 ) -> dict[str, Any]:
     """One method planned to the stack's attainment targets (the same capacity model and closed
-    loop for every method, as `coral plan` runs them: Coral's also over single-config templates),
+    loop for every method, as `coral plan` runs them: Coral's also over restrictions of its
+    templates, `planner.RESTRICTIONS`),
     verified on the workload the planner never saw; `label` names the row when it is not the
     method's own name."""
     # Deferred: the planner loads OR-Tools; `coral --help` should not.
@@ -116,7 +117,7 @@ def bench_row(
         "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
         "goodput": summary.get("goodput_tokens_per_s", 0.0),
         "attainment": summary.get("slo_attainment", 0.0),
-        "worst_model": min((a.verified or 0.0 for a in plan.attainment), default=0.0),
+        "worst_model": min((a.judged or 0.0 for a in plan.attainment), default=0.0),
         "below_target": [a.model for a in plan.below_target()],
         "ttft_p50_ms": summary.get("ttft_p50_ms"),
         "ttft_p99_ms": summary.get("ttft_p99_ms"),

@@ -154,10 +154,10 @@ def plan(
     for a in result.attainment:
         if a.replay_gap > REPLAY_TOLERANCE:
             warn(
-                f"{a.model}: {100 * (a.verified or 0):.1f}% verified on the trace's held-out "
-                f"windows, {100 * (a.replayed or 0):.1f}% on the whole trace "
-                f"({100 * a.replay_gap:.1f} points apart): the trace's windows differ more "
-                "than one window can show; the plan is judged by the lower"
+                f"{a.model}: {100 * (a.verified or 0):.1f}% on the trace's held-out windows, "
+                f"{100 * (a.replayed or 0):.1f}% on the whole trace ({100 * a.replay_gap:.1f} "
+                "points apart: the trace's bursts fall unevenly between its windows); the plan "
+                f"claims the lower, {100 * (a.judged or 0):.1f}%"
             )
     if out_file is not None and not write:
         err.print(f"Left {out_file} as it was.")

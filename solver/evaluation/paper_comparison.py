@@ -58,10 +58,9 @@ Log = Callable[[str], object]
 
 def goodput(plan: Plan, fleet: FleetConfig) -> float:
     """Output tokens/s that meet the SLOs: each model's served fraction x its output tokens/s x
-    its verified (else planned) attainment."""
+    its verified (else planned) attainment (`ModelAttainment.judged`)."""
     att = {
-        a.model: a.verified if a.verified is not None else (a.planned or 0.0)
-        for a in plan.attainment
+        a.model: a.judged if a.judged is not None else (a.planned or 0.0) for a in plan.attainment
     }
     total = 0.0
     for m, spec in fleet.models.items():
@@ -96,7 +95,7 @@ def summarize(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method) -
         "serves_any": plan.serves_any(),
         "goodput_tokens_per_s": round(goodput(plan, fleet), 2),
         "min_verified": min(
-            (a.verified for a in plan.attainment if a.verified is not None), default=None
+            (a.judged for a in plan.attainment if a.judged is not None), default=None
         ),
         "below_target": [a.model for a in plan.below_target()],
         "cost_by_phase": cost_by_phase(plan),

@@ -269,13 +269,13 @@ def full_batch_row(plan: Plan, fleet: FleetConfig, perf: PerfModel, root: Path) 
 
 
 def summary(plan: Plan, fleet: FleetConfig) -> dict[str, Any]:
-    verified = [a.verified for a in plan.attainment if a.verified is not None]
+    verified = [a.judged for a in plan.attainment if a.judged is not None]
     return {
         "jobs": job_breakdown(plan, fleet),
         "usd_per_hour": plan.hourly_cost_usd,
         "served_fraction": plan.served_fraction,
         "min_verified": min(verified) if verified else None,
-        "verified": {a.model: a.verified for a in plan.attainment},
+        "verified": {a.model: a.judged for a in plan.attainment},
         "cause": {a.model: a.cause for a in plan.attainment if a.cause},
         "headroom": {a.model: a.headroom for a in plan.attainment},
     }

@@ -32,8 +32,10 @@ def committed_stacks(root: Path = ROOT) -> list[str]:
 
 
 def summarise(plan: Plan, seconds: float) -> dict[str, object]:
-    verified = [a.verified for a in plan.attainment if a.verified is not None]
-    short = [a.model for a in plan.attainment if a.verified is not None and a.verified < a.target]
+    # What the plan claims per model (`ModelAttainment.judged`: the lower of its held-out
+    # windows and the whole trace).
+    verified = [a.judged for a in plan.attainment if a.judged is not None]
+    short = [a.model for a in plan.attainment if a.judged is not None and a.judged < a.target]
     return {
         "usd_per_hour": round(plan.hourly_cost_usd, 2),
         "served_fraction": round(plan.served_fraction, 4),

@@ -541,7 +541,7 @@ def simulate_workload(
 
 class Simulations:
     """Each model's simulated result, kept for reuse within one `coral plan`: by the closed
-    loop's rounds, by both of its searches (mixed and single-config templates often plan a
+    loop's rounds, by each of its searches (mixed and restricted templates often plan a
     model alike), by length routing's plans and by the verification.
 
     A model's result depends only on what its key holds: the workload (purpose, window, the

@@ -306,7 +306,16 @@ def plan_to_targets(
         how: Method, restriction: Restriction | None = None
     ) -> Callable[[dict[str, float]], Plan]:
         def solve(factors: dict[str, float]) -> Plan:
-            plan = plan_stack(stack, fleet, perf.catalog, libs, previous, how, factors, restriction)
+            plan = plan_stack(
+                stack,
+                fleet,
+                perf.catalog,
+                libs,
+                previous,
+                method=how,
+                factors=factors,
+                restriction=restriction,
+            )
             if on_solve:
                 on_solve(plan, factors)
             return plan

@@ -435,8 +435,8 @@ def test_cli_bench_reports_a_failed_solve_and_goes_on(tmp_path, monkeypatch):
 
 def test_cli_bench_runs_on_a_gcp_stack(tmp_path, monkeypatch):
     """`coral bench` through the CLI on dev-gcp: every method reported, Coral verified to the
-    stack's target. (Homo serves nothing on dev-gcp, as before this test was written; the
-    report says so as "serves nothing".)"""
+    stack's target; Homo too, since it spends the budget as it buys (the most efficient
+    config's pair costs more than dev-gcp's budget, and it used to serve nothing)."""
     from typer.testing import CliRunner
 
     from coral_iac.cli.app import app
@@ -454,3 +454,4 @@ def test_cli_bench_runs_on_a_gcp_stack(tmp_path, monkeypatch):
     by = {row["method"]: row for row in json.loads((out / "results.json").read_text())}
     assert by["coral"]["worst_model"] >= 0.9 and not by["coral"]["below_target"]
     assert by["coral-one-gpu-type"]["usd_per_hour"] >= by["coral"]["usd_per_hour"] > 0
+    assert by["homo"]["served"] == 1 and by["homo"]["usd_per_hour"] <= 10
