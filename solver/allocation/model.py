@@ -169,6 +169,7 @@ class IlpModel:
 
 
 INTERRUPT_WAIT_S = 5.0  # how long Ctrl-C waits for an interrupted solve to return
+INTERRUPT_RETRY_S = 0.05  # how often an interrupt is sent again until the solve returns
 
 
 def solve_interruptibly(solver: pywraplp.Solver, params: pywraplp.MPSolverParameters) -> int:
@@ -177,8 +178,9 @@ def solve_interruptibly(solver: pywraplp.Solver, params: pywraplp.MPSolverParame
     Python raises KeyboardInterrupt only between bytecodes of the main thread, never inside
     a C++ call, so a solve run there would finish first (seconds to its time limit). It runs in
     a worker thread instead (pywraplp releases the GIL while it solves) while the main thread
-    waits; on Ctrl-C the main thread interrupts the solver (`InterruptSolve`), waits for it to
-    return, and re-raises, so no plan comes of an interrupted solve.
+    waits; on Ctrl-C another thread interrupts the solver (`InterruptSolve`, repeated until it
+    returns), the main thread waits for it at most INTERRUPT_WAIT_S and re-raises, so no plan
+    comes of an interrupted solve.
 
     Returns:
         The OR-Tools status.
@@ -195,13 +197,21 @@ def solve_interruptibly(solver: pywraplp.Solver, params: pywraplp.MPSolverParame
         finally:
             done.set()
 
+    def interrupt() -> None:
+        # From a thread of its own, again until the solve returns: the call may wait on the
+        # solver's own lock while it sets the model up, and SCIP forgets an interrupt that
+        # comes before its solve starts. The main thread never waits inside the solver.
+        while not done.is_set():
+            solver.InterruptSolve()
+            done.wait(INTERRUPT_RETRY_S)
+
     threading.Thread(target=run, name="ilp-solve", daemon=True).start()
     try:
         while not done.wait(0.1):
             pass
     except KeyboardInterrupt:
-        solver.InterruptSolve()
-        done.wait(INTERRUPT_WAIT_S)  # SCIP returns within milliseconds
+        threading.Thread(target=interrupt, name="ilp-interrupt", daemon=True).start()
+        done.wait(INTERRUPT_WAIT_S)  # SCIP returns within milliseconds once it sees it
         raise
     if failure:
         raise failure[0]

@@ -178,7 +178,12 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
     time.sleep(1.0)
     os.killpg(proc.pid, signal.SIGINT)
     sent = time.monotonic()
-    stdout, stderr = proc.communicate(timeout=120)
+    try:
+        stdout, stderr = proc.communicate(timeout=120)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # leave no process behind for the other tests
+        stdout, stderr = proc.communicate()
+        pytest.fail(f"still running 120 s after Ctrl-C; its stderr:\n{stderr}")
     took = time.monotonic() - sent
     assert proc.returncode == 130, stderr
     assert took < 2.0, f"exited {took:.1f} s after Ctrl-C"
