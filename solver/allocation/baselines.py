@@ -108,7 +108,9 @@ def scale_fairly(
     in full (`fits`), max-min fair within each priority tier (highest first), then as much
     more as it can. Progressive filling: the largest common fraction of the tier's models not
     yet held (bisection), then the ones that cannot take `RAISE` more alone are held there and
-    the rest go on from it. A model no fraction of which fits stays at 0 and buys nothing.
+    the rest go on from it. A model no fraction of which fits stays at 0 and buys nothing; when
+    no common fraction fits although each model alone may, the model whose absence lets the
+    others share the most stays at 0 instead of all of them.
 
     Returns:
         The fraction per model (floored to 0.01%) and the greedy's run at those fractions.
@@ -125,18 +127,32 @@ def scale_fairly(
             trial[raised] = min(1.0, t + RAISE)
         return fits(at(trial))
 
+    def common(held: dict[str, float], active: set[str], lo: float) -> float:
+        """The largest fraction (from `lo`, floored to 0.01%) all `active` models fit at."""
+        if ok(held, active, 1.0):
+            return 1.0
+        hi = 1.0
+        for _ in range(FAIR_STEPS):
+            mid = (lo + hi) / 2
+            lo, hi = (mid, hi) if ok(held, active, mid) else (lo, mid)
+        return math.floor(lo * 10_000) / 10_000
+
     held: dict[str, float] = {}
     for tier in priority_tiers(models, priorities):
         active, lo = set(tier), 0.0
         while active:
-            hi = 1.0
-            if ok(held, active, 1.0):
-                lo = 1.0
-            else:
-                for _ in range(FAIR_STEPS):
-                    mid = (lo + hi) / 2
-                    lo, hi = (mid, hi) if ok(held, active, mid) else (lo, mid)
-            t = math.floor(lo * 10_000) / 10_000
+            t = common(held, active, lo)
+            if t <= 0 and len(active) > 1:
+                # No common fraction fits although each model alone may: whole instances of
+                # some crowd out another (on paper-extended-scarce one instance each of four
+                # models takes the GPU pools llama3.1-70b needs). Leave out the model whose
+                # absence lets the others share the most; it stays at 0.
+                rest = {m: common(held | {m: 0.0}, active - {m}, 0.0) for m in sorted(active)}
+                out = max(rest, key=lambda m: rest[m])
+                if rest[out] > 0:
+                    held[out] = 0.0
+                    active.discard(out)
+                    continue
             stuck = {m for m in active if t >= 1 or not ok(held, active, t, m)} or set(active)
             held |= dict.fromkeys(stuck, t)
             active -= stuck

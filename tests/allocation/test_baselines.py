@@ -124,6 +124,24 @@ def test_homo_under_a_budget_falls_back_to_a_config_it_can_afford():
     assert {columns[i].usage[0][0] for i in s.counts} == {"x"}
 
 
+def test_homo_leaves_one_model_out_when_whole_instances_crowd_each_other_out():
+    """Three nodes for two models that each need one prefill and one decode instance of one
+    node: either fits alone, both at any fraction need four nodes. Homo serves one in full and
+    leaves the other out (it used to hold both at 0 and serve nothing)."""
+    f = fleet(models=SMALL_FLEET["models"])
+    market = Market({(A, "x"): 1.0}, {(A, "x"): 3}, {}, {"x": ("g", 1)})
+    models = sorted(SMALL_FLEET["models"])
+    columns = [
+        Column((m, ph), A, SimpleNamespace(throughput=100.0, key="x"), 1.0, (("x", 1),))  # type: ignore[arg-type]
+        for m in models
+        for ph in ("decode", "prefill")
+    ]
+    demand = {(m, ph): 100.0 for m in models for ph in ("decode", "prefill")}
+    s = homo_solution(f, market, demand, columns)
+    assert len(models) == 2 and sorted(s.fractions.values()) == [0.0, 1.0]
+    assert cost(columns, s.counts) == pytest.approx(2.0)
+
+
 def test_homo_names_the_gpu_pool_that_stops_it():
     f, market, demand, columns = hand_built(5, 5, 300)
     pooled = Market(market.price, market.available, {(A, "g"): 2, (B, "g"): 2}, market.gpu_of)
