@@ -113,6 +113,7 @@ def bench_row(
         "method": label or method,
         "usd_per_hour": plan.hourly_cost_usd,
         "served": plan.served_fraction,
+        "serves_any": plan.serves_any(),
         "gpus": plan.gpus(perf.catalog),
         "solve_s": plan.solver.solve_seconds if plan.solver else 0.0,
         "goodput": summary.get("goodput_tokens_per_s", 0.0),
@@ -354,8 +355,10 @@ def headline(rows: list[dict[str, Any]]) -> list[str]:
 
         def cost(base: dict[str, Any], coral: dict[str, Any]) -> str:
             """A baseline that serves nothing (its budget or pools allow none of its
-            replicas) has no cost ratio: its $0 or its idle nodes would read as cheaper."""
-            if not base["served"]:
+            replicas) has no cost ratio: its $0 or its idle nodes would read as cheaper. One
+            that serves some models but not others ("served", the least served model's
+            share, is 0) has one."""
+            if not base.get("serves_any", base["served"] > 0):
                 return "serves nothing"
             return ratio(base["usd_per_hour"], coral["usd_per_hour"])
 

@@ -334,24 +334,26 @@ def test_cli_bench_writes_report_and_plots(tmp_path, monkeypatch):
 
 
 def test_bench_headline_says_a_baseline_that_serves_nothing():
-    """dev-gcp's Homo needs 25 $/h and the budget is 10: it buys nothing. Its cost ratio is
-    no 0.00x (it would read as free), but 'serves nothing'; Cauchy's stays a ratio."""
+    """A baseline that buys nothing has no cost ratio (0.00x would read as free) but 'serves
+    nothing'; one that serves some models in full and another not at all (its least served
+    share is 0: paper-extended-scarce's Cauchy) keeps its ratio."""
     from coral_iac.cli.bench import headline
 
-    def row(method, usd, served, goodput):
+    def row(method, usd, served, goodput, serves_any):
         return {
             "stack": "s",
             "mode": "vllm",
             "method": method,
             "usd_per_hour": usd,
             "served": served,
+            "serves_any": serves_any,
             "goodput": goodput,
         }
 
     rows = [
-        row("coral", 7.35, 1.0, 138.0),
-        row("homo", 0.0, 0.0, 0.0),
-        row("cauchy", 14.7, 1.0, 138.0),
+        row("coral", 7.35, 1.0, 138.0, True),
+        row("homo", 0.0, 0.0, 0.0, False),
+        row("cauchy", 14.7, 0.0, 138.0, True),
     ]
     line = next(x for x in headline(rows) if x.startswith("| s |"))
     assert line.split(" | ")[2:4] == ["serves nothing", "2.00x"]
