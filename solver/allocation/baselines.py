@@ -147,9 +147,11 @@ def scale_fairly(
                 # some crowd out another (on paper-extended-scarce one instance each of four
                 # models takes the GPU pools llama3.1-70b needs). Leave out the model whose
                 # absence lets the others share the most; it stays at 0.
+                # When no single absence is enough (only one of three fits at a time), one
+                # goes anyway and the rest try again.
                 rest = {m: common(held | {m: 0.0}, active - {m}, 0.0) for m in sorted(active)}
                 out = max(rest, key=lambda m: rest[m])
-                if rest[out] > 0:
+                if rest[out] > 0 or len(active) > 2:
                     held[out] = 0.0
                     active.discard(out)
                     continue

@@ -68,8 +68,8 @@ def priority_tiers(models: list[str], priorities: dict[str, int]) -> list[frozen
     """`models` grouped by priority (default 0), highest first. A length bucket
     (``<model>@b<i>``) takes its model's priority."""
     by: dict[int, set[str]] = {}
-    for m in models:
-        by.setdefault(priorities.get(m.split(BUCKET_SEP)[0], 0), set()).add(m)
+    for m in models:  # a bucket is keyed by its own name in a routed fleet, else its model's
+        by.setdefault(priorities.get(m, priorities.get(m.split(BUCKET_SEP)[0], 0)), set()).add(m)
     return [frozenset(by[p]) for p in sorted(by, reverse=True)]
 
 

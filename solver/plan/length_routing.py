@@ -168,9 +168,12 @@ def share_miss_budget(buckets: list[LengthBucket], plan: Plan, target: float) ->
     return [*shorter, last.model_copy(update={"target": relaxed})]
 
 
-def _weighted(plan: Plan, buckets: list[LengthBucket]) -> tuple[float | None, float | None]:
-    """(planned, verified) attainment of a routed model as a whole: planned by share, verified
-    by the requests each bucket's verification saw."""
+def _weighted(
+    plan: Plan, buckets: list[LengthBucket]
+) -> tuple[float | None, float | None, float | None]:
+    """(planned, verified, replayed) attainment of a routed model as a whole: planned by share,
+    verified by the requests each bucket's verification saw, replayed (the whole trace) by
+    share; None where a bucket lacks it."""
     rows = {a.model: a for a in plan.attainment}
     mine = [rows[b.name] for b in buckets if b.name in rows]
     planned = (
@@ -184,7 +187,22 @@ def _weighted(plan: Plan, buckets: list[LengthBucket]) -> tuple[float | None, fl
         if n and all(a.verified is not None for a in mine)
         else None
     )
-    return planned, verified
+    shares = sum(b.share for b in buckets if b.name in rows)
+    replayed = (
+        sum(b.share * float(rows[b.name].replayed or 0.0) for b in buckets if b.name in rows)
+        / shares
+        if mine and shares > 0 and all(a.replayed is not None for a in mine)
+        else None
+    )
+    return planned, verified, replayed
+
+
+def _claim(verified: float | None, replayed: float | None) -> float | None:
+    """What a routed model's plan claims: the lower of verified and the whole trace
+    (`ModelAttainment.judged`)."""
+    if verified is None or replayed is None:
+        return verified
+    return min(verified, replayed)
 
 
 def _cost(plan: Plan, names: list[str]) -> float:
@@ -203,7 +221,8 @@ def _penalty(plan: Plan, names: list[str], previous: Plan | None, k: float) -> f
 
 
 def _verified_of(plan: Plan, model: str) -> float | None:
-    return next((a.verified for a in plan.attainment if a.model == model), None)
+    """The attainment a plan claims for a model (`ModelAttainment.judged`)."""
+    return next((a.judged for a in plan.attainment if a.model == model), None)
 
 
 def decide(
@@ -226,7 +245,7 @@ def decide(
     one_total = one_usd + _penalty(one, [model], previous, k)
     routed_total = routed_usd + _penalty(routed, names, previous, k)
     one_ok = (v1 := _verified_of(one, model)) is None or v1 >= target
-    _, v2 = _weighted(routed, buckets)
+    v2 = _claim(*_weighted(routed, buckets)[1:])
     served = min((routed.fraction_of(b) for b in names), default=1.0)
     routed_ok = (v2 is None or v2 >= target) and served >= one.fraction_of(model)
     if spec.length_routing.mode == "always":
@@ -271,8 +290,9 @@ def whole_model_rows(plan: Plan, fleet: FleetConfig) -> list[ModelAttainment]:
             continue
         spec = fleet.models[d.model]
         mine = [by_name[b.name] for b in d.buckets if b.name in by_name]
-        planned, verified = _weighted(plan, d.buckets)
-        short = verified is not None and verified < spec.slo_attainment
+        planned, verified, replayed = _weighted(plan, d.buckets)
+        claim = _claim(verified, replayed)
+        short = claim is not None and claim < spec.slo_attainment
         rows.append(
             ModelAttainment(
                 model=d.model,
@@ -280,6 +300,7 @@ def whole_model_rows(plan: Plan, fleet: FleetConfig) -> list[ModelAttainment]:
                 workload=mine[0].workload if mine else "",
                 planned=round(planned, 4) if planned is not None else None,
                 verified=round(verified, 4) if verified is not None else None,
+                replayed=round(replayed, 4) if replayed is not None else None,
                 verified_requests=sum(a.verified_requests for a in mine),
                 verified_minutes=max((a.verified_minutes for a in mine), default=0.0),
                 cause="; ".join(f"{a.model}: {a.cause}" for a in mine if a.cause) if short else "",
@@ -295,7 +316,7 @@ def _rank(
     then the one closer to its targets."""
     gaps = []
     for m, bs in buckets.items():
-        _, verified = _weighted(plan, bs)
+        verified = _claim(*_weighted(plan, bs)[1:])
         gaps.append(fleet.models[m].slo_attainment - (verified if verified is not None else 1.0))
     worst = max(gaps, default=0.0)
     return (worst > 0, plan.hourly_cost_usd, worst)

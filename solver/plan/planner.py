@@ -341,7 +341,7 @@ def plan_to_targets(
     found: list[tuple[str, Plan]] = [("mixed", plan)]
     for restriction in RESTRICTIONS:
         offered = _offered(libs, restriction)
-        if not any(offered) or offered in searched:  # the same search again: the same plan
+        if not offered or offered in searched:  # the same search again: the same plan
             continue
         searched.append(offered)
 
@@ -396,6 +396,22 @@ def served_key(plan: Plan, priority: dict[str, int]) -> tuple[float, ...]:
     return tuple(key)
 
 
+def _short(plan: Plan) -> set[str]:
+    """Every row below its target, length buckets included (`Plan.below_target` leaves them
+    out, but in a search the buckets are the routed models' only rows)."""
+    return {a.model for a in plan.attainment if a.short_by > 0}
+
+
+def _charged(plan: Plan) -> float:
+    """What the allocation minimises: $/hour plus the start-up penalty of new instances."""
+    return plan.hourly_cost_usd + plan.startup_penalty_usd_per_hour
+
+
+def _mean_served(plan: Plan) -> float:
+    shares = list(plan.served_fractions.values()) or [plan.served_fraction]
+    return sum(shares) / len(shares)
+
+
 def least_served(plan: Plan) -> float:
     """The least served model's share of its demand."""
     return min(plan.served_fractions.values(), default=plan.served_fraction)
@@ -404,17 +420,18 @@ def least_served(plan: Plan) -> float:
 def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | None = None) -> Plan:
     """The best of the closed loop's searches (the mixed one first, then restrictions of it):
     a later search's plan replaces the best so far when it meets every target that one meets
-    and either serves more (max-min fair by priority, then the most in total: `served_key`) or
-    serves as much for less. A replacing plan keeps the first plan's method, and its
+    (length buckets included) and either serves more (max-min fair by priority, then the most
+    in total: `served_key`) or serves as much for less ($/hour plus the start-up penalty, what
+    the allocation minimises). A replacing plan keeps the first plan's method, and its
     closed_loop_stop says which search it came from."""
     first_name, best = found[0]
     best_name = first_name
     priority = priority if priority is not None else {m: 0 for m in best.served_fractions}
     for name, plan in found[1:]:
-        if not {a.model for a in plan.below_target()} <= {a.model for a in best.below_target()}:
+        if not _short(plan) <= _short(best):
             continue
         more, was = served_key(plan, priority), served_key(best, priority)
-        if more > was or (more == was and plan.hourly_cost_usd < best.hourly_cost_usd - 1e-6):
+        if more > was or (more == was and _charged(plan) < _charged(best) - 1e-6):
             best, best_name = plan, name
     if best_name == first_name:
         return best
@@ -422,8 +439,9 @@ def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | Non
     how = (
         "serves as much for less"
         if served_key(best, priority) == served_key(first, priority)
-        else f"serves more (the least served model {least_served(best):.1%}, against "
-        f"{least_served(first):.1%})"
+        else f"serves more (least served model {least_served(best):.1%}, models on average "
+        f"{_mean_served(best):.1%} of their demand; against {least_served(first):.1%} and "
+        f"{_mean_served(first):.1%})"
     )
     others = ", ".join(
         f"{name} {p.hourly_cost_usd:.2f} $/h" for name, p in found if name != best_name

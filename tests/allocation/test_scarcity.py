@@ -128,3 +128,32 @@ def test_the_budget_is_shared_by_the_same_rule():
     for method, s in by_method(f, market, demand_of({PHI: 200, GPT: 200}), columns).items():
         assert s.fractions == {PHI: 0.5, GPT: 0.5}, method
         assert sum(s.counts.values()) <= 4, method
+
+
+def test_when_only_one_model_fits_at_a_time_the_greedy_serves_one():
+    """Three models, each needing two whole units at any fraction, and three units: no two fit
+    together. `scale_fairly` leaves models out until one is served (it used to hold all three
+    at 0, serving nothing)."""
+    from solver.allocation.baselines import scale_fairly
+
+    models = ("a", "b", "c")
+    demand = {(m, "decode"): 1.0 for m in models}
+
+    def run(d: dict[tuple[str, str], float]) -> Solution:
+        wanted = [m for m in models if d[(m, "decode")] > 0]
+        fits = 2 * len(wanted) <= 3
+        return Solution({}, {m: 1.0 if fits else 0.0 for m in wanted}, None, [])
+
+    fractions, _ = scale_fairly(run, demand, lambda s: s.fraction >= 1, {})
+    assert sorted(fractions.values()) == [0.0, 0.0, 1.0]
+
+
+def test_a_length_bucket_keyed_by_its_own_name_keeps_its_priority():
+    """In a routed fleet the buckets are models of their own (``a@b0``); keyed either way,
+    they sit in their model's tier."""
+    from solver.allocation.problem import priority_tiers
+
+    high, low = frozenset({"a@b0", "a@b1"}), frozenset({"c"})
+    names = ["a@b0", "a@b1", "c"]
+    assert priority_tiers(names, {"a@b0": 2, "a@b1": 2, "c": 0}) == [high, low]
+    assert priority_tiers(names, {"a": 2}) == [high, low]

@@ -316,7 +316,9 @@ def test_coral_plan_routes_a_model_by_length_end_to_end(tmp_path):
     assert "phi-4@b0" in r.output and "length" in r.output
 
 
-def _decided(one_usd, one_att, routed_usd, routed_att, mode="auto", previous=None):
+def _decided(
+    one_usd, one_att, routed_usd, routed_att, mode="auto", previous=None, routed_replayed=None
+):
     fleet = routed_dev()
     spec = fleet.models["phi-4"]
     routing = spec.length_routing.model_copy(update={"mode": mode})
@@ -347,6 +349,7 @@ def _decided(one_usd, one_att, routed_usd, routed_att, mode="auto", previous=Non
                     workload="w",
                     planned=routed_att,
                     verified=routed_att,
+                    replayed=routed_replayed,
                     verified_requests=100,
                 )
                 for b in buckets
@@ -371,6 +374,27 @@ def test_the_planner_routes_only_when_buckets_meet_the_target_for_less(case, rou
     d = _decided(*case)
     assert d.routed is routed and reason in d.reason, d.reason
     assert d.one_pool_usd_per_hour == case[0] and d.routed_usd_per_hour == case[2]
+
+
+def test_buckets_are_judged_by_the_lower_of_their_held_out_windows_and_the_whole_trace():
+    """Buckets that verify 93% on the held-out windows but 85% on the whole trace miss the
+    target: the decision, and the routed model's own row, go by the lower."""
+    from solver.plan.length_routing import whole_model_rows
+
+    d = _decided(10.0, 0.95, 8.0, 0.93, routed_replayed=0.85)
+    assert not d.routed and d.reason == "the buckets miss the target"
+    buckets = [_bucket(0, 0, 1000, 0.5), _bucket(1, 1000, None, 0.5)]
+    rows = [
+        ModelAttainment(
+            model=b.name, target=0.9, workload="w", planned=0.93, verified=0.93,
+            replayed=0.85, verified_requests=100,
+        )  # fmt: skip
+        for b in buckets
+    ]
+    plan = _routed_plan(buckets, ROUTED_ROWS).model_copy(update={"attainment": rows})
+    (whole,) = [a for a in whole_model_rows(plan, routed_dev()) if a.model == "phi-4"]
+    assert whole.replayed == pytest.approx(0.85) and whole.judged == pytest.approx(0.85)
+    assert whole.short_by == pytest.approx(0.05)
 
 
 def test_mode_always_routes_whatever_it_costs():

@@ -432,3 +432,29 @@ def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(mon
     monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
     assert attainment.base_factors(tight, model, libs, REPO, workers=2) == serial
     assert went_below  # the fallback ran
+
+
+def test_a_restricted_search_must_meet_the_targets_of_length_buckets_too(perf, dev_library):
+    """In a search the routed models' only rows are their buckets (``<model>@b<i>``), which
+    `Plan.below_target` leaves out; a cheaper plan whose bucket misses its target must not
+    replace one whose buckets meet theirs. Nor does a plan that is cheaper per hour but
+    dearer with the start-up penalty (new instances against the running plan) win."""
+    from solver.plan.planner import best_at_target
+
+    fleet = load_stack(REPO / "stacks", "dev")
+    plan = plan_with_library("dev", fleet, perf, dev_library, root=REPO)
+    row = plan.attainment[0]
+    bucket = row.model_copy(update={"model": f"{row.model}@b0"})
+    meets = plan.model_copy(update={"attainment": [bucket], "startup_penalty_usd_per_hour": 0})
+    short_bucket = bucket.model_copy(update={"verified": bucket.target - 0.05})
+    cheaper = plan.model_copy(
+        update={"attainment": [short_bucket], "hourly_cost_usd": plan.hourly_cost_usd - 1}
+    )
+    assert best_at_target([("mixed", meets), ("one GPU type", cheaper)]) is meets
+    switching = meets.model_copy(
+        update={
+            "hourly_cost_usd": plan.hourly_cost_usd - 0.5,
+            "startup_penalty_usd_per_hour": 1.0,
+        }
+    )
+    assert best_at_target([("mixed", meets), ("single config", switching)]) is meets
