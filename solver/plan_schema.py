@@ -66,6 +66,14 @@ class SolverReport(BaseModel):
     relative_gap: float
 
 
+def lower_of(verified: float | None, replayed: float | None) -> float | None:
+    """What a plan claims from its verified share and its whole-trace replay: the lower of the
+    two (None without a verified share; the verified share without a replay)."""
+    if verified is None or replayed is None:
+        return verified
+    return min(verified, replayed)
+
+
 class ModelAttainment(BaseModel):
     """A model's SLO attainment: its target, what the planner measured on its planning
     workload, and what a simulation on a workload it never saw gives (`coral plan` verifies)."""
@@ -96,9 +104,7 @@ class ModelAttainment(BaseModel):
     def judged(self) -> float | None:
         """What the plan is judged by: the verified share, or the whole trace's when that is
         lower (a held-out window that looks better than the hour does not count)."""
-        if self.verified is None:
-            return None
-        return min(self.verified, self.replayed) if self.replayed is not None else self.verified
+        return lower_of(self.verified, self.replayed)
 
     @property
     def short_by(self) -> float:

@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 
 from solver.errors import InputError
-from solver.plan_schema import LengthBucket, ModelAttainment, Plan, RoutingDecision
+from solver.plan_schema import LengthBucket, ModelAttainment, Plan, RoutingDecision, lower_of
 from solver.simulation.workload import model_trace, request_rate
 from solver.stack import Demand, FleetConfig, LengthSlice, ModelSpec, PhaseTokens
 from solver.types import BUCKET_SEP
@@ -197,14 +197,6 @@ def _weighted(
     return planned, verified, replayed
 
 
-def _claim(verified: float | None, replayed: float | None) -> float | None:
-    """What a routed model's plan claims: the lower of verified and the whole trace
-    (`ModelAttainment.judged`)."""
-    if verified is None or replayed is None:
-        return verified
-    return min(verified, replayed)
-
-
 def _cost(plan: Plan, names: list[str]) -> float:
     return round(sum(sum(plan.cost_by_model.get(n, {}).values()) for n in names), 4)
 
@@ -220,7 +212,7 @@ def _penalty(plan: Plan, names: list[str], previous: Plan | None, k: float) -> f
     )
 
 
-def _verified_of(plan: Plan, model: str) -> float | None:
+def _claimed_of(plan: Plan, model: str) -> float | None:
     """The attainment a plan claims for a model (`ModelAttainment.judged`)."""
     return next((a.judged for a in plan.attainment if a.model == model), None)
 
@@ -244,8 +236,8 @@ def decide(
     k = fleet.allocation.startup_penalty_k
     one_total = one_usd + _penalty(one, [model], previous, k)
     routed_total = routed_usd + _penalty(routed, names, previous, k)
-    one_ok = (v1 := _verified_of(one, model)) is None or v1 >= target
-    v2 = _claim(*_weighted(routed, buckets)[1:])
+    one_ok = (v1 := _claimed_of(one, model)) is None or v1 >= target
+    v2 = lower_of(*_weighted(routed, buckets)[1:])
     served = min((routed.fraction_of(b) for b in names), default=1.0)
     routed_ok = (v2 is None or v2 >= target) and served >= one.fraction_of(model)
     if spec.length_routing.mode == "always":
@@ -291,7 +283,7 @@ def whole_model_rows(plan: Plan, fleet: FleetConfig) -> list[ModelAttainment]:
         spec = fleet.models[d.model]
         mine = [by_name[b.name] for b in d.buckets if b.name in by_name]
         planned, verified, replayed = _weighted(plan, d.buckets)
-        claim = _claim(verified, replayed)
+        claim = lower_of(verified, replayed)
         short = claim is not None and claim < spec.slo_attainment
         rows.append(
             ModelAttainment(
@@ -316,7 +308,7 @@ def _rank(
     then the one closer to its targets."""
     gaps = []
     for m, bs in buckets.items():
-        verified = _claim(*_weighted(plan, bs)[1:])
+        verified = lower_of(*_weighted(plan, bs)[1:])
         gaps.append(fleet.models[m].slo_attainment - (verified if verified is not None else 1.0))
     worst = max(gaps, default=0.0)
     return (worst > 0, plan.hourly_cost_usd, worst)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Literal
 
 from solver import timing
-from solver.allocation.baselines import cauchy_columns, homo_solution, priorities
+from solver.allocation.baselines import homo_solution, priorities
 from solver.allocation.paper_baselines import paper_baseline
 from solver.allocation.problem import Column, Problem, Solution, make_columns, priority_tiers
 from solver.allocation.solve import solve_allocation
@@ -243,6 +243,8 @@ def plan_stack(
     demand = stack_demand(fleet)
     market = build_market(fleet, catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
+    if method == "cauchy":  # Cauchy-like: Coral's ILP over single-config templates
+        restriction = "single config"
     if restriction is not None:
         keeps = RESTRICTIONS[restriction]
         templates = {job: [t for t in ts if keeps(t)] for job, ts in templates.items()}
@@ -259,8 +261,6 @@ def plan_stack(
     elif method == "homo":
         solution = homo_solution(fleet, market, needed, columns)
     else:
-        if method == "cauchy":
-            columns = cauchy_columns(columns)
         running = previous.counts() if previous is not None else {}
         problem = Problem(needed, columns, market, fleet.allocation, running, priorities(fleet))
         solution = solve_allocation(problem)
