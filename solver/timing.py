@@ -22,8 +22,19 @@ from dataclasses import dataclass, field
 
 OTHER = "other"  # wall time no phase claims (reading the stack, assembling the plan)
 
+# The wall time a plan waits for its restricted searches after its own (mixed) search ends, when
+# they run in other processes: their ILP and simulation are not in the phases above.
+RESTRICTED_WAIT = "restricted searches"
 # The phases of a plan, in the order data flows; `coral plan` and scripts/bench_plan list them so.
-PHASES = ("library", "capacity model", "ILP", "closed-loop simulation", "verification", OTHER)
+PHASES = (
+    "library",
+    "capacity model",
+    "ILP",
+    "closed-loop simulation",
+    "verification",
+    RESTRICTED_WAIT,
+    OTHER,
+)
 
 
 @dataclass

@@ -80,7 +80,12 @@ def plan(
         ),
     ] = None,
     workers: Annotated[
-        int, typer.Option(help="Worker processes for a library build and the capacity model.")
+        int,
+        typer.Option(
+            help="Worker processes for a library build, the capacity model and the closed "
+            "loop's restricted searches (1: all in this process, one after the other; the "
+            "same plan either way)."
+        ),
     ] = 2,
     strict: Annotated[
         bool,

@@ -587,6 +587,19 @@ class Simulations:
             self._results.update({keys[m]: r for m, r in fresh.items()})
         return {m: self._results[k] for m, k in keys.items()}
 
+    def keys(self) -> set[tuple[object, ...]]:
+        """What is simulated so far (to pass on only what comes after: `since`)."""
+        return set(self._results)
+
+    def since(self, keys: set[tuple[object, ...]]) -> dict[tuple[object, ...], ModelResult]:
+        """The results simulated after `keys` (a search in another process hands them back)."""
+        return {k: r for k, r in self._results.items() if k not in keys}
+
+    def add(self, results: dict[tuple[object, ...], ModelResult]) -> None:
+        """Results simulated elsewhere for the same stack (each key holds what its result
+        depends on, so they stand for this process's too)."""
+        self._results.update(results)
+
 
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
 

@@ -9,9 +9,12 @@ baseline's (`solver/allocation/baselines.py`), assembled into a `Plan`.
 
 from __future__ import annotations
 
+import multiprocessing
 from collections.abc import Callable
+from concurrent.futures import wait
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from solver import timing
 from solver.allocation.baselines import homo_solution, priorities
@@ -28,6 +31,7 @@ from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.length_routing import plan_routed
 from solver.plan.validator import validate_plan
 from solver.plan_schema import Instance, JobResult, Method, Plan, instance_key, template_ref
+from solver.serving.executors import started_in_processes
 from solver.serving.library import (
     Library,
     build_libraries,
@@ -37,6 +41,7 @@ from solver.serving.library import (
 )
 from solver.serving.serving_template import ServingTemplate
 from solver.stack import FleetConfig
+from solver.timing import RESTRICTED_WAIT
 from solver.types import Job
 
 
@@ -292,27 +297,81 @@ def plan_to_targets(
     cache: Path | None = None,
     simulations: Simulations | None = None,
     workers: int = 1,
-    on_solve: Callable[[Plan, dict[str, float]], None] | None = None,
+    on_solve: OnSolve | None = None,
 ) -> Plan:
     """The method planned to the models' SLO attainment targets (the closed loop and the
     verification, `attainment.plan_to_target`). For Coral the loop also runs over each of
     `RESTRICTIONS` that offers other templates than the searches before it, and the best plan
-    is kept (`best_at_target`). The loops reuse each other's simulations (and the caller's,
-    given `simulations`). `workers`: processes for the capacity model of templates not cached;
-    `on_solve(plan, factors)`: called for every allocation the loops solve."""
-    sims = simulations if simulations is not None else Simulations(perf, root)
+    is kept (`best_at_target`).
 
-    def solve_as(
-        how: Method, restriction: Restriction | None = None
-    ) -> Callable[[dict[str, float]], Plan]:
+    `workers`: processes for the capacity model of templates not cached; above 1, the
+    restricted searches also run in up to `workers` forked processes while this one runs the
+    mixed search (the same plans as one after the other: each search depends only on its
+    inputs). The searches reuse each other's simulations (a worker's come back when it ends),
+    and the caller's, given `simulations`. `on_solve(plan, factors)`: called for every allocation the searches solve,
+    in search order."""
+    if on_round:  # minutes on a large stack the first time (the factors are cached after)
+        count = sum(len(lib.templates) for lib in libs.values())
+        on_round(f"capacity model: the SLO capacity of {count:,} templates")
+    with timing.phase("capacity model"):
+        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for every search
+    sims = simulations if simulations is not None else Simulations(perf, root)
+    searches = _Searches(stack, fleet, perf, libs, previous, root, base, sims)
+    # The closed loop is a search over whole instances, and its path depends on where it
+    # starts: on staging it ended at 17.88 $/h where the same loop over single-config
+    # templates ended at 12.85, and on prod at 42.34 where the loop over one-GPU-type templates
+    # ended at 40.48, at the same targets. Every plan of a restricted search is a Coral plan,
+    # so Coral keeps the best.
+    restrictions = _restrictions(libs) if method == "coral" and fleet.attainment.rounds else []
+    if not restrictions:
+        return searches.run(method, None, on_round, on_solve)
+    if workers > 1:
+        found = _in_parallel(searches, restrictions, workers, on_round, on_solve)
+    else:
+        found = [("mixed", searches.run(method, None, on_round, on_solve))]
+        for restriction in restrictions:
+            said = _said(on_round, restriction)
+            try:
+                found.append((restriction, searches.run("coral", restriction, said, on_solve)))
+            except CoralError as exc:  # a restricted search is a second opinion
+                said(f"failed: {exc}")
+    return best_at_target(found, priorities(fleet))
+
+
+OnSolve = Callable[[Plan, dict[str, float]], None]
+
+
+@dataclass(frozen=True)
+class _Searches:
+    """What every closed-loop search of one `plan_to_targets` shares (forked search workers
+    read it from `_IN_WORKERS`)."""
+
+    stack: str
+    fleet: FleetConfig
+    perf: PerfModel
+    libs: dict[Job, Library]
+    previous: Plan | None
+    root: Path | None
+    base: dict[str, float]  # the capacity model's factors
+    sims: Simulations
+
+    def run(
+        self,
+        method: Method,
+        restriction: Restriction | None,
+        progress: Callable[[str], None] | None,
+        on_solve: OnSolve | None,
+    ) -> Plan:
+        """One search: the closed loop over the templates `restriction` keeps."""
+
         def solve(factors: dict[str, float]) -> Plan:
             plan = plan_stack(
-                stack,
-                fleet,
-                perf.catalog,
-                libs,
-                previous,
-                method=how,
+                self.stack,
+                self.fleet,
+                self.perf.catalog,
+                self.libs,
+                self.previous,
+                method=method,
                 factors=factors,
                 restriction=restriction,
             )
@@ -320,54 +379,112 @@ def plan_to_targets(
                 on_solve(plan, factors)
             return plan
 
-        return solve
+        return plan_to_target(
+            self.fleet,
+            self.perf,
+            self.libs,
+            solve,
+            self.root,
+            progress,
+            base=self.base,
+            simulations=self.sims,
+        )
 
-    if on_round:  # minutes on a large stack the first time (the factors are cached after)
-        count = sum(len(lib.templates) for lib in libs.values())
-        on_round(f"capacity model: the SLO capacity of {count:,} templates")
-    with timing.phase("capacity model"):
-        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for every search
-    plan = plan_to_target(
-        fleet, perf, libs, solve_as(method), root, on_round, base=base, simulations=sims
-    )
-    if method != "coral" or fleet.attainment.rounds == 0:
-        return plan
-    # The closed loop is a search over whole instances, and its path depends on where it
-    # starts: on staging it ended at 17.88 $/h where the same loop over single-config
-    # templates ended at 12.85, and on prod at 42.34 where the loop over one-GPU-type templates
-    # ended at 40.48, at the same targets. Every plan of a restricted search is a Coral plan,
-    # so Coral keeps the best.
+
+def _said(on_round: Callable[[str], None] | None, name: str) -> Callable[[str], None]:
+    """A restricted search's progress lines, named."""
+
+    def said(line: str) -> None:
+        if on_round:
+            on_round(f"{name} search, {line}")
+
+    return said
+
+
+def _restrictions(libs: dict[Job, Library]) -> list[Restriction]:
+    """The restrictions whose search offers templates no search before it offers (the
+    mixed search first): a search over the same templates would find the same plan."""
     searched = [_offered(libs, None)]
-    found: list[tuple[str, Plan]] = [("mixed", plan)]
+    out: list[Restriction] = []
     for restriction in RESTRICTIONS:
         offered = _offered(libs, restriction)
-        if not offered or offered in searched:  # the same search again: the same plan
-            continue
-        searched.append(offered)
+        if offered and offered not in searched:
+            searched.append(offered)
+            out.append(restriction)
+    return out
 
-        def said(line: str, name: str = restriction) -> None:
-            if on_round:
-                on_round(f"{name} search, {line}")
 
-        try:
-            found.append(
-                (
-                    restriction,
-                    plan_to_target(
-                        fleet,
-                        perf,
-                        libs,
-                        solve_as("coral", restriction),
-                        root,
-                        said,
-                        base=base,
-                        simulations=sims,
-                    ),
-                )
-            )
-        except CoralError as exc:  # a restricted search is a second opinion
-            said(f"failed: {exc}")
-    return best_at_target(found, priorities(fleet))
+# A restricted search in a worker: its plan (None when it failed; the line says why), and the
+# (plan, factors) of its solves when asked.
+_Found = tuple[Restriction, Plan | None, list[tuple[Plan, dict[str, float]]]]
+# What forked search workers read while they run: the searches, a queue per restriction for its
+# progress lines (none: no progress asked), and whether to keep their solves.
+_IN_WORKERS: list[tuple[_Searches, dict[Restriction, Any], bool]] = []
+
+
+def _search_in_worker(restriction: Restriction) -> tuple[_Found, dict[Any, Any]]:
+    """In a worker process: one restricted search, and the simulations it added."""
+    searches, queues, record = _IN_WORKERS[0]
+    known = searches.sims.keys()
+    solves: list[tuple[Plan, dict[str, float]]] = []
+    lines = queues.get(restriction)
+
+    def said(line: str) -> None:
+        if lines is not None:  # a SimpleQueue: written to its pipe before put returns
+            lines.put(f"{restriction} search, {line}")
+
+    plan: Plan | None = None
+    try:
+        plan = searches.run(
+            "coral", restriction, said, (lambda p, f: solves.append((p, f))) if record else None
+        )
+    except CoralError as exc:  # a restricted search is a second opinion
+        said(f"failed: {exc}")
+    return (restriction, plan, solves), searches.sims.since(known)
+
+
+def _in_parallel(
+    searches: _Searches,
+    restrictions: list[Restriction],
+    workers: int,
+    on_round: Callable[[str], None] | None,
+    on_solve: OnSolve | None,
+) -> list[tuple[str, Plan]]:
+    """The mixed search here while the restricted ones run in up to `workers` forked
+    processes. Their progress lines and solves are passed on after the mixed search's, search
+    by search, each search's lines as they come: the same lines in the same order as one
+    search after the other."""
+    fork = multiprocessing.get_context("fork")
+    queues = {r: fork.SimpleQueue() for r in restrictions} if on_round else {}
+
+    def relay(restriction: Restriction) -> None:
+        lines = queues.get(restriction)
+        while on_round and lines is not None and not lines.empty():
+            on_round(lines.get())
+
+    _IN_WORKERS[:] = [(searches, queues, on_solve is not None)]
+    try:
+        tasks = [(r,) for r in restrictions]
+        with started_in_processes(_search_in_worker, tasks, min(workers, len(tasks))) as futures:
+            mixed = searches.run("coral", None, on_round, on_solve)
+            with timing.phase(RESTRICTED_WAIT):
+                for restriction, future in zip(restrictions, futures, strict=True):
+                    while not future.done():
+                        wait([future], timeout=0.2)
+                        relay(restriction)
+                    relay(restriction)
+            results = [f.result() for f in futures]
+    finally:
+        _IN_WORKERS.clear()
+    found: list[tuple[str, Plan]] = [("mixed", mixed)]
+    for (restriction, plan, solves), sims in results:
+        searches.sims.add(sims)
+        for solved, factors in solves:
+            if on_solve:
+                on_solve(solved, factors)
+        if plan is not None:
+            found.append((restriction, plan))
+    return found
 
 
 def _offered(libs: dict[Job, Library], restriction: Restriction | None) -> frozenset[str]:

@@ -21,7 +21,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Generator, Iterator
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import Future, ProcessPoolExecutor
 from pathlib import Path
 from types import FrameType
 from typing import Any, Literal, TypeVar
@@ -199,6 +199,30 @@ def map_in_processes(
         workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
     )
     yield from _tracked(pool, _pool_results(pool, fn, tasks))
+
+
+@contextlib.contextmanager
+def started_in_processes(
+    fn: Callable[..., R], tasks: list[tuple[Any, ...]], workers: int
+) -> Iterator[list[Future[R]]]:
+    """`fn(*task)` for every task, started now in `workers` forked processes while the caller
+    goes on with its own work; yields their futures (in task order).
+
+    As for `map_in_processes`, `fn` is module-level and reads its large inputs from a module
+    global set before this block. The workers end with the block: an exception in it (Ctrl-C
+    included) terminates them; otherwise the block waits for their tasks. Workers ignore SIGINT
+    and die with this process."""
+    pool = ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
+    )
+    finished = False
+    try:
+        yield [pool.submit(fn, *task) for task in tasks]
+        finished = True
+    finally:
+        if not finished:
+            _terminate_workers(pool)
+        pool.shutdown(wait=True, cancel_futures=not finished)
 
 
 def _pool_results(
