@@ -154,6 +154,11 @@ def make_plan(
         perf,
         options.library_dir(stack),
         previous,
+        # One process: the Pulumi language host runs gRPC threads, and a fork beside them
+        # skips gRPC's fork handlers (a warning in the preview, a hang where they are on).
+        # `coral plan` builds the library and caches the capacity model in worker processes
+        # first, and the plan is the same either way.
+        workers=1,
         rebuild_stale=deploy.rebuild_library or options.rebuild_stale,
         root=options.stacks_dir.parent,
     )

@@ -451,39 +451,55 @@ def _in_parallel(
     on_solve: OnSolve | None,
 ) -> list[tuple[str, Plan]]:
     """The mixed search here while the restricted ones run in up to `workers` forked
-    processes. Their progress lines and solves are passed on after the mixed search's, search
-    by search, each search's lines as they come: the same lines in the same order as one
-    search after the other."""
+    processes. Each restricted search's progress lines (as they come) and then its solves are
+    passed on after the mixed search's, search by search: the same lines in the same order as
+    one search after the other.
+
+    Their lines are read into `held` between the mixed search's rounds and while waiting, so a
+    worker never waits on a full pipe for long; a line is in its pipe before `put` returns, so
+    a search's future is done only after its last line can be read."""
     fork = multiprocessing.get_context("fork")
     queues = {r: fork.SimpleQueue() for r in restrictions} if on_round else {}
+    held: dict[Restriction, list[str]] = {r: [] for r in restrictions}
 
-    def relay(restriction: Restriction) -> None:
-        lines = queues.get(restriction)
-        while on_round and lines is not None and not lines.empty():
-            on_round(lines.get())
+    def read() -> None:
+        for restriction, lines in queues.items():
+            while not lines.empty():
+                held[restriction].append(lines.get())
+
+    def mixed_said(line: str) -> None:
+        read()
+        if on_round:
+            on_round(line)
+
+    def pass_on(restriction: Restriction) -> None:
+        read()
+        lines, held[restriction] = held[restriction], []
+        for line in lines:
+            if on_round:
+                on_round(line)
 
     _IN_WORKERS[:] = [(searches, queues, on_solve is not None)]
+    found: list[tuple[str, Plan]] = []
     try:
         tasks = [(r,) for r in restrictions]
         with started_in_processes(_search_in_worker, tasks, min(workers, len(tasks))) as futures:
-            mixed = searches.run("coral", None, on_round, on_solve)
+            found.append(("mixed", searches.run("coral", None, mixed_said, on_solve)))
             with timing.phase(RESTRICTED_WAIT):
                 for restriction, future in zip(restrictions, futures, strict=True):
                     while not future.done():
                         wait([future], timeout=0.2)
-                        relay(restriction)
-                    relay(restriction)
-            results = [f.result() for f in futures]
+                        pass_on(restriction)
+                    pass_on(restriction)
+                    (_, plan, solves), sims = future.result()
+                    searches.sims.add(sims)
+                    for solved, factors in solves:
+                        if on_solve:
+                            on_solve(solved, factors)
+                    if plan is not None:
+                        found.append((restriction, plan))
     finally:
         _IN_WORKERS.clear()
-    found: list[tuple[str, Plan]] = [("mixed", mixed)]
-    for (restriction, plan, solves), sims in results:
-        searches.sims.add(sims)
-        for solved, factors in solves:
-            if on_solve:
-                on_solve(solved, factors)
-        if plan is not None:
-            found.append((restriction, plan))
     return found
 
 

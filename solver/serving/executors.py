@@ -146,6 +146,9 @@ def _die_with_parent() -> None:
 
 
 def _init_worker() -> None:
+    # A forked worker writes to the real streams, not through a parent's Rich progress proxy
+    # (whose lock a parent thread may have held at the fork).
+    sys.stdout, sys.stderr = sys.__stdout__, sys.__stderr__
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     _die_with_parent()
