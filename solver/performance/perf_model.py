@@ -143,6 +143,11 @@ class PerfModel:
     _step_memo: dict[tuple[str, str], float] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # A stage's token-proportional time by (model, node, TP, phase, tokens, layers, hop): the
+    # same stages recur across the thousands of templates the capacity model and simulator see.
+    _fixed_memo: dict[tuple[str, str, int, str, int, int, bool], float | None] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def card(self, model: ModelId) -> ModelCard:
         return get_card(self.cards, model)
@@ -435,7 +440,29 @@ class PerfModel:
             self._layer_memo[key] = linear
         return linear
 
-    def attention_terms(self, model: ModelId, node: str, tp: int) -> tuple[float, float, float, float]:
+    def stage_fixed_ms(
+        self, model: ModelId, node: str, tp: int, phase: Phase, tokens: int, layers: int, hop: bool
+    ) -> float | None:
+        """A pipeline stage's time for a step of `tokens` tokens less its attention: `layers`
+        x `linear_layer_ms`, the step overhead, and the hop to the next stage if it has one,
+        memoised. None where a measured table times the layer."""
+        key = (model, node, tp, phase, tokens, layers, hop)
+        if key in self._fixed_memo:
+            return self._fixed_memo[key]
+        linear = self.linear_layer_ms(model, node, tp, phase, tokens)
+        fixed = None
+        if linear is not None:
+            fixed = layers * linear + self.step_overhead_ms(node, phase)
+            if hop:
+                fixed += self.hop_ms(model, node, tokens)
+        if len(self._fixed_memo) >= LAYER_MEMO_MAX:
+            self._fixed_memo.clear()
+        self._fixed_memo[key] = fixed
+        return fixed
+
+    def attention_terms(
+        self, model: ModelId, node: str, tp: int
+    ) -> tuple[float, float, float, float]:
         """Attention of one layer as (decode latency, ms per decode sequence per held token,
         prefill latency, ms per prefill pair), from the GPU's kernel factors."""
         card, cfg = self.card(model), self.catalog.node(node)

@@ -229,15 +229,17 @@ class InstanceModel:
                 key = (i, k, phase, t)
                 fixed = self._batch_fixed.get(key)
                 if fixed is None:
-                    linear = self.perf.linear_layer_ms(self.model, m.node, m.tp, phase, t)
-                    if linear is None:  # measured table: whole layers, attention included
+                    fixed = self.perf.stage_fixed_ms(
+                        self.model, m.node, m.tp, phase, t, stage.layers, stage.hop
+                    )
+                    if fixed is None:  # measured table: whole layers, attention included
                         linear = self.perf.batch_layer_ms(
                             self.model, m.node, m.tp, t, decode_seqs, decode_context, prefill_pairs
                         )
                         self._attention[(i, k)] = (0.0, 0.0, 0.0, 0.0)
-                    fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
-                    if stage.hop:
-                        fixed += self.perf.hop_ms(self.model, m.node, t)
+                        fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
+                        if stage.hop:
+                            fixed += self.perf.hop_ms(self.model, m.node, t)
                     self._batch_fixed[key] = fixed
                 terms = self._attention.get((i, k))
                 if terms is None:
