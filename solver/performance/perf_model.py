@@ -148,6 +148,14 @@ class PerfModel:
     _fixed_memo: dict[tuple[str, str, int, str, int, int, bool], float | None] = field(
         default_factory=dict, init=False, repr=False, compare=False
     )
+    # One pipeline stage's prefill pass by (stage, tokens, attention pairs), for
+    # `InstanceModel`: templates share stages (`InstanceModel._prefill_pass_ms`).
+    prefill_pass_memo: dict[tuple[int, int, float], float] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
+    prefill_stage_ids: dict[tuple[object, ...], int] = field(
+        default_factory=dict, init=False, repr=False, compare=False
+    )
 
     def card(self, model: ModelId) -> ModelCard:
         return get_card(self.cards, model)

@@ -31,6 +31,7 @@ from solver.types import Phase
 
 CHUNK_TPOT_FACTOR = 2.0  # an aggregated step may take up to this many TPOT SLOs (see bench_vidur)
 MIN_CHUNK_TOKENS = 256
+PASS_MEMO_MAX = 1 << 20  # prefill pass times shared per PerfModel (cleared when full)
 # --max-num-batched-tokens is the candidate that serves the most at the SLO (`engine_model` at
 # the mean lengths): for prefill-only, these and the largest batch within the TTFT SLO (a big
 # chunk packs every waiting prompt into one slow step, so under load each waits for all the
@@ -86,6 +87,20 @@ class InstanceModel:
             for i in range(len(self.stages))
             for phase in ("prefill", "decode")
         }
+        # Each stage as `_prefill_pass_ms` shares it: a number per distinct (model, members,
+        # layers, hop, shares) in the PerfModel (None: on a measured table, not shared).
+        ids = perf.prefill_stage_ids
+        self._signatures = [
+            None
+            if any(
+                perf.measured.get(self.model, perf.catalog.node(m.node).id, "prefill") is not None
+                for m in st.members
+            )
+            else ids.setdefault(
+                (self.model, st.members, st.layers, st.hop, self._shares[(i, "prefill")]), len(ids)
+            )
+            for i, st in enumerate(self.stages)
+        ]
         self.kv_capacity = min(
             sum(
                 perf.kv_capacity_tokens(card, perf.catalog.node(m.node), m.tp, s.layers)
@@ -219,42 +234,75 @@ class InstanceModel:
         multiply-adds."""
         phase: Phase = "prefill" if prefill_pairs > 0 else "decode"
         held = self.perf.card(self.model).kv_tokens_held(decode_context) if decode_seqs else 0.0
-        out = []
-        for i, stage in enumerate(self.stages):
-            worst = 0.0
-            for k, (m, share) in enumerate(
-                zip(stage.members, self._shares[(i, "prefill")], strict=True)
-            ):
-                t = max(1, math.ceil(tokens * share))
-                key = (i, k, phase, t)
-                fixed = self._batch_fixed.get(key)
-                if fixed is None:
-                    fixed = self.perf.stage_fixed_ms(
-                        self.model, m.node, m.tp, phase, t, stage.layers, stage.hop
+        return [
+            self._stage_step_ms(i, phase, tokens, decode_seqs, decode_context, held, prefill_pairs)
+            for i in range(len(self.stages))
+        ]
+
+    def _stage_step_ms(
+        self,
+        i: int,
+        phase: Phase,
+        tokens: int,
+        decode_seqs: int,
+        decode_context: float,
+        held: float,
+        prefill_pairs: float,
+    ) -> float:
+        """Stage i's time in `batch_stage_ms`: its slowest member's share of the batch."""
+        stage = self.stages[i]
+        worst = 0.0
+        for k, (m, share) in enumerate(
+            zip(stage.members, self._shares[(i, "prefill")], strict=True)
+        ):
+            t = max(1, math.ceil(tokens * share))
+            key = (i, k, phase, t)
+            fixed = self._batch_fixed.get(key)
+            if fixed is None:
+                fixed = self.perf.stage_fixed_ms(
+                    self.model, m.node, m.tp, phase, t, stage.layers, stage.hop
+                )
+                if fixed is None:  # measured table: whole layers, attention included
+                    linear = self.perf.batch_layer_ms(
+                        self.model, m.node, m.tp, t, decode_seqs, decode_context, prefill_pairs
                     )
-                    if fixed is None:  # measured table: whole layers, attention included
-                        linear = self.perf.batch_layer_ms(
-                            self.model, m.node, m.tp, t, decode_seqs, decode_context, prefill_pairs
-                        )
-                        self._attention[(i, k)] = (0.0, 0.0, 0.0, 0.0)
-                        fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
-                        if stage.hop:
-                            fixed += self.perf.hop_ms(self.model, m.node, t)
-                    self._batch_fixed[key] = fixed
-                terms = self._attention.get((i, k))
-                if terms is None:
-                    terms = self._attention[(i, k)] = self.perf.attention_terms(
-                        self.model, m.node, m.tp
-                    )
-                dec_lat, dec_ms, pre_lat, pre_ms = terms
-                attention = 0.0
-                if decode_seqs:
-                    attention += dec_lat + math.ceil(decode_seqs * share) * held * dec_ms
-                if prefill_pairs:
-                    attention += pre_lat + prefill_pairs * share * pre_ms
-                worst = max(worst, fixed + stage.layers * attention)
-            out.append(worst)
-        return out
+                    self._attention[(i, k)] = (0.0, 0.0, 0.0, 0.0)
+                    fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
+                    if stage.hop:
+                        fixed += self.perf.hop_ms(self.model, m.node, t)
+                self._batch_fixed[key] = fixed
+            terms = self._attention.get((i, k))
+            if terms is None:
+                terms = self._attention[(i, k)] = self.perf.attention_terms(
+                    self.model, m.node, m.tp
+                )
+            dec_lat, dec_ms, pre_lat, pre_ms = terms
+            attention = 0.0
+            if decode_seqs:
+                attention += dec_lat + math.ceil(decode_seqs * share) * held * dec_ms
+            if prefill_pairs:
+                attention += pre_lat + prefill_pairs * share * pre_ms
+            worst = max(worst, fixed + stage.layers * attention)
+        return worst
+
+    def _prefill_pass_ms(self, i: int, tokens: int, pairs: float) -> float:
+        """Stage i's time for one prefill pass of `tokens` tokens with `pairs` attention pairs
+        and no decodes (`_stage_step_ms`), shared through the PerfModel with every instance
+        whose stage i is the same (members, layers, hop, shares): the capacity model asks it of
+        thousands of templates built from the same stages. Stages on a measured table are not
+        shared (their memo depends on the instance's history)."""
+        phase: Phase = "prefill" if pairs > 0 else "decode"  # as batch_stage_ms says
+        signature = self._signatures[i]
+        if signature is None:
+            return self._stage_step_ms(i, phase, tokens, 0, 0.0, 0.0, pairs)
+        key = (signature, tokens, pairs)
+        memo = self.perf.prefill_pass_memo
+        hit = memo.get(key)
+        if hit is None:
+            if len(memo) >= PASS_MEMO_MAX:
+                memo.clear()
+            hit = memo[key] = self._stage_step_ms(i, phase, tokens, 0, 0.0, 0.0, pairs)
+        return hit
 
     def decode_round_ms(self, running: int) -> float:
         if running not in self._decode:
@@ -273,7 +321,10 @@ class InstanceModel:
         key = (length, chunk)
         if key not in self._alone:
             pairs = piece * piece * (rounds + 1) / 2
-            self._alone[key] = rounds * sum(self.batch_stage_ms(math.ceil(piece), 0, 0.0, pairs))
+            tokens = math.ceil(piece)
+            self._alone[key] = rounds * sum(
+                [self._prefill_pass_ms(i, tokens, pairs) for i in range(len(self.stages))]
+            )
         return self._alone[key]
 
     def prefill_ms(self, tokens: int) -> tuple[float, float]:
