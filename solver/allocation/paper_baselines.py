@@ -78,6 +78,11 @@ def paper_baseline(
             "set colocate_phases: false (the paper's formulation), or use --baseline cauchy",
         )
     problem = Problem(
-        demand, cols, market, fleet.allocation, priorities=priorities(fleet), one_config_per_job=True
+        demand,
+        cols,
+        market,
+        fleet.allocation,
+        priorities=priorities(fleet),
+        one_config_per_job=True,
     )
     return cols, solve_allocation(problem)

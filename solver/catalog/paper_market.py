@@ -34,6 +34,8 @@ OFFERED_BY: dict[str, frozenset[str]] = {
     "aws": frozenset(RELATIVE_COST),
     "gcp": frozenset({"h100", "a100-80gb", "l4"}),
 }
+
+
 def paper_price(gpu: str, gpus: int, l4_usd_per_gpu_hour: float) -> float:
     """$/hour of a node of `gpus` GPUs of type `gpu`: linear in the GPU count.
 

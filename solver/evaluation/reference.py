@@ -151,7 +151,11 @@ def simulate_ours(
     another `chunk`, to compare)."""
     inst = InstanceModel.serving(perf, template, case.spec())
     first, finish, _ = engine_pass(
-        inst, req.arrival_s, req.prompt, req.output, chunk or inst.max_batched_tokens,
+        inst,
+        req.arrival_s,
+        req.prompt,
+        req.output,
+        chunk or inst.max_batched_tokens,
         inst.max_running,
     )
     ttft = first - req.arrival_s

@@ -69,7 +69,7 @@ def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str: 
         "# Cost per committed stack",
         "",
         f"Written by `scripts/stack_costs{label}`: every stack in `stacks/` planned with "
-        '`coral plan --stack S`. $/h is the plan\'s provisioning cost; when the stack\'s budget or '
+        "`coral plan --stack S`. $/h is the plan's provisioning cost; when the stack's budget or "
         "availability cannot cover all demand, the share of its demand the least served model "
         "gets follows it; "
         "attainment is the lowest verified share of requests within both SLOs over the stack's "

@@ -199,7 +199,9 @@ class Kernels(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
     source: str = Field(description="The measurements and the fitted forms.")
     fit_median_abs_rel_error: dict[str, float] = Field(description="Per fitted group.")
-    gpus: dict[str, KernelFit] = Field(description="GPU types with fitted (or partly fitted) kernels.")
+    gpus: dict[str, KernelFit] = Field(
+        description="GPU types with fitted (or partly fitted) kernels."
+    )
     derived: dict[str, KernelDerivation] = Field(description="The others: nearest timed chip.")
 
     def resolve(self, gpu: str) -> tuple[KernelFactors, str]:

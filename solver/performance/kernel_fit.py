@@ -122,7 +122,9 @@ class LinearFit:
     rows: int
 
 
-def fit_latency_throughput(work: np.ndarray, ms: np.ndarray, peak: float, kernels: int) -> LinearFit:
+def fit_latency_throughput(
+    work: np.ndarray, ms: np.ndarray, peak: float, kernels: int
+) -> LinearFit:
     """Fit ms = kernels * latency + work / (peak * e) * 1e3 in log space."""
 
     def predict(x: np.ndarray) -> np.ndarray:
@@ -135,9 +137,7 @@ def fit_latency_throughput(work: np.ndarray, ms: np.ndarray, peak: float, kernel
     return LinearFit(float(sol.x[0]), float(sol.x[1]), float(np.median(errors)), len(ms))
 
 
-def fit_attention(
-    rows: list[AttentionRow], peak: GpuPeak
-) -> tuple[LinearFit, LinearFit]:
+def fit_attention(rows: list[AttentionRow], peak: GpuPeak) -> tuple[LinearFit, LinearFit]:
     """(prefill, decode) fits on the A100-80GB attention rows."""
     pre = [r for r in rows if r.prefill]
     dec = [r for r in rows if not r.prefill and r.cached > 0]
@@ -236,7 +236,9 @@ class ProfiledLayer:
         return self.mlp[tokens] + self.prefill_attention[tokens] + 2 * self._allreduce(tokens)
 
     def decode_ms(self, batch: int, context: int) -> float:
-        cached = min((c for b, c in self.decode_attention if b == batch), key=lambda c: abs(c - context))
+        cached = min(
+            (c for b, c in self.decode_attention if b == batch), key=lambda c: abs(c - context)
+        )
         attention = self.decode_attention[(batch, cached)]
         return self.mlp[batch] + attention + 2 * self._allreduce(batch)
 

@@ -307,7 +307,9 @@ def gemm_ms_array(
     tf = peak.dense_tflops * 1e12 * factors.e_cmp
     t_mem = BYTES_PER_PARAM * params / tp / bw
     t_cmp = 2 * tokens * params / tp / tf
-    result: FloatArray = GEMMS_PER_LAYER * factors.gemm_latency_ms + smooth_roofline(t_mem, t_cmp) * 1e3
+    result: FloatArray = (
+        GEMMS_PER_LAYER * factors.gemm_latency_ms + smooth_roofline(t_mem, t_cmp) * 1e3
+    )
     return result
 
 

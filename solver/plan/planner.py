@@ -308,13 +308,14 @@ def plan_to_targets(
     restricted searches also run in up to `workers` forked processes while this one runs the
     mixed search (the same plans as one after the other: each search depends only on its
     inputs). The searches reuse each other's simulations (a worker's come back when it ends),
-    and the caller's, given `simulations`. `on_solve(plan, factors)`: called for every allocation the searches solve,
-    in search order."""
+    and the caller's, given `simulations`. `on_solve(plan, factors)`: called for every
+    allocation the searches solve, in search order. `on_round`: the capacity model's progress
+    (a line per tenth of the templates it models, from PROGRESS_TEMPLATES) and a line per closed-loop round."""
     if on_round:  # minutes on a large stack the first time (the factors are cached after)
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
-    with timing.phase("capacity model"):
-        base = base_factors(fleet, perf, libs, root, cache, workers)  # once, for every search
+    with timing.phase("capacity model"):  # once, for every search
+        base = base_factors(fleet, perf, libs, root, cache, workers, _tenths(on_round))
     sims = simulations if simulations is not None else Simulations(perf, root)
     searches = _Searches(stack, fleet, perf, libs, previous, root, base, sims)
     # The closed loop is a search over whole instances, and its path depends on where it
@@ -339,6 +340,24 @@ def plan_to_targets(
 
 
 OnSolve = Callable[[Plan, dict[str, float]], None]
+
+
+PROGRESS_TEMPLATES = 2_000  # fewer templates to model take a second or two: no progress lines
+
+
+def _tenths(on_round: Callable[[str], None] | None) -> Callable[[int, int], None] | None:
+    """The capacity model's progress as a line per tenth of the templates it models."""
+    if on_round is None:
+        return None
+    said = [0]
+
+    def progress(done: int, total: int) -> None:
+        tenth = 10 * done // max(1, total)
+        if total >= PROGRESS_TEMPLATES and tenth > said[0]:
+            said[0] = tenth
+            on_round(f"capacity model: {done:,} of {total:,} templates modelled ({tenth}0%)")
+
+    return progress
 
 
 @dataclass(frozen=True)

@@ -231,10 +231,16 @@ def started_in_processes(
 def _pool_results(
     pool: ProcessPoolExecutor, fn: Callable[..., R], tasks: list[tuple[Any, ...]]
 ) -> Generator[R, None, None]:
-    """The pool's results in task order; its workers end with it, however it ends."""
+    """The pool's results in task order; its workers end with it, however it ends.
+
+    Not `pool.map`: closed early, it cancels its futures before the workers end, and the
+    pool's manager thread then fails setting the broken pool's error on them
+    (InvalidStateError in a thread)."""
     finished = False
     try:
-        yield from pool.map(fn, *zip(*tasks, strict=True))
+        futures = [pool.submit(fn, *task) for task in tasks]
+        for future in futures:
+            yield future.result()
         finished = True
     finally:
         if not finished:  # an error, a signal, or the consumer stopped early

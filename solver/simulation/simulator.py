@@ -329,7 +329,9 @@ def simulate(
             prefill_done = np.full(n, np.inf)
             for k, pre_inst in enumerate(pre):
                 mine = np.flatnonzero(route == k)
-                prefill_done[mine] = _prefill_only(pre_inst, trace.arrival_s[mine], trace.prompt[mine])
+                prefill_done[mine] = _prefill_only(
+                    pre_inst, trace.arrival_s[mine], trace.prompt[mine]
+                )
             # vLLM's PD proxy: prefill runs with max_tokens=1, the KV moves, and the decode
             # instance streams every output token, so the client's first token is decode's first.
             need = trace.output

@@ -149,9 +149,7 @@ def _bucket_trace(
     return Trace(full.arrival_s[keep], full.prompt[keep], full.output[keep])
 
 
-def trace_window(
-    arrival_s: np.ndarray, purpose: Purpose
-) -> tuple[np.ndarray, np.ndarray, float]:
+def trace_window(arrival_s: np.ndarray, purpose: Purpose) -> tuple[np.ndarray, np.ndarray, float]:
     """Which of a trace's requests a purpose reads, and their arrival times in the window.
 
     The trace is cut into TRACE_BLOCK_S blocks; planning reads the even ones, verification the

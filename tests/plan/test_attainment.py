@@ -85,7 +85,7 @@ def test_the_paper_formulation_is_flagged_and_strict_keeps_the_old_plan(
     monkeypatch.setattr(
         planner,
         "base_factors",
-        lambda fleet, perf, libs, root=None, cache=None, workers=1: _ones(libs),
+        lambda fleet, perf, libs, root=None, cache=None, workers=1, progress=None: _ones(libs),
     )
     monkeypatch.chdir(root)
     old = root / "plan.json"
@@ -113,7 +113,7 @@ def test_the_program_refuses_a_plan_below_target_unless_the_stack_accepts_it(
     monkeypatch.setattr(
         planner,
         "base_factors",
-        lambda fleet, perf, libs, root=None, cache=None, workers=1: _ones(libs),
+        lambda fleet, perf, libs, root=None, cache=None, workers=1, progress=None: _ones(libs),
     )
     root = project(tmp_path)
     path = root / "stacks" / "Pulumi.s.yaml"
@@ -407,6 +407,37 @@ def test_the_capacity_model_in_worker_processes_gives_the_same_factors(monkeypat
     assert attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2) == serial
 
 
+@pytest.mark.parametrize("workers", [1, 2])
+def test_the_capacity_model_reports_progress_and_keeps_the_jobs_it_finished(
+    monkeypatch, tmp_path, workers
+):
+    """Progress runs up to every template not cached; a run stopped after its first job has
+    saved that job, and the next run models only the others."""
+    from tests.allocation_helpers import fleet, libraries
+    from tests.allocation_helpers import perf as small_perf
+
+    small, libs, model = fleet(), libraries(), small_perf()
+    total = sum(len(lib.templates) for lib in libs.values())
+    monkeypatch.setattr(attainment, "PARALLEL_TEMPLATES", 0)
+    monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
+    first_job = len(next(iter(sorted(libs.items())))[1].templates)
+
+    def stop_after_first_job(done: int, _: int) -> None:
+        if done > first_job:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        attainment.base_factors(small, model, libs, REPO, tmp_path, workers, stop_after_first_job)
+    assert len(list((tmp_path / "capacity").glob("*.npy"))) == 1
+    seen: list[tuple[int, int]] = []
+    factors = attainment.base_factors(
+        small, model, libs, REPO, tmp_path, workers, lambda d, t: seen.append((d, t))
+    )
+    assert seen[-1] == (total - first_job, total - first_job)  # the first job came from cache
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen)
+    assert factors == attainment.base_factors(small, model, libs, REPO)
+
+
 def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(monkeypatch):
     """Prefill SLOs cut to 30%: some job reaches its target on no template, and the worker
     path continues below the target in this process, to the factors one process gives."""
@@ -458,3 +489,20 @@ def test_a_restricted_search_must_meet_the_targets_of_length_buckets_too(perf, d
         }
     )
     assert best_at_target([("mixed", meets), ("single config", switching)]) is meets
+
+
+def test_the_capacity_model_says_each_tenth_of_a_large_library_once() -> None:
+    from solver.plan.planner import PROGRESS_TEMPLATES, _tenths
+
+    lines: list[str] = []
+    progress = _tenths(lines.append)
+    assert progress is not None
+    total = 5 * PROGRESS_TEMPLATES
+    for done in range(1_000, total + 1, 1_000):
+        progress(done, total)
+    assert [line.split("(")[1] for line in lines] == [f"{k}0%)" for k in range(1, 11)]
+    small: list[str] = []
+    tiny = _tenths(small.append)
+    assert tiny is not None
+    tiny(PROGRESS_TEMPLATES - 1, PROGRESS_TEMPLATES - 1)
+    assert small == []  # a second or two: no progress lines

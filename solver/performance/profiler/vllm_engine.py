@@ -123,9 +123,7 @@ def measure_vllm(
     return grid, str(vllm.__version__)
 
 
-def _run_in_child(
-    card: ModelCard, spec: MeasureSpec, source: str, layers: int
-) -> dict[int, float]:
+def _run_in_child(card: ModelCard, spec: MeasureSpec, source: str, layers: int) -> dict[int, float]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "times.json"
         proc = multiprocessing.get_context("spawn").Process(
