@@ -145,6 +145,34 @@ def _die_with_parent() -> None:
     _prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
 
 
+@contextlib.contextmanager
+def _signals_held_while_forking() -> Iterator[None]:
+    """Record SIGINT and SIGTERM while a pool forks its workers, and act on them after.
+
+    A signal that arrives during a fork has its exception raised inside an at-fork hook
+    (logging's lock release), where Python prints and drops it: Ctrl-C was lost and the plan
+    ran on. Recorded, it goes to the handler it was meant for once the workers exist. (A
+    signal mask would not do: it holds for one thread, and the kernel hands the signal to
+    another.) Main thread only, where Python runs signal handlers."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    held = (signal.SIGINT, signal.SIGTERM)
+    previous = {s: signal.signal(s, lambda signum, _: caught.append(signum)) for s in held}
+    try:
+        yield
+    finally:
+        for held_signal, handler in previous.items():
+            signal.signal(held_signal, handler)
+        for signum in dict.fromkeys(caught):
+            meant = previous[signal.Signals(signum)]
+            if callable(meant):
+                meant(signum, None)  # default_int_handler raises KeyboardInterrupt
+            elif meant == signal.SIG_DFL:
+                os.kill(os.getpid(), signum)
+
+
 def _init_worker() -> None:
     # A forked worker writes to the real streams, not through a parent's Rich progress proxy
     # (whose lock a parent thread may have held at the fork).
@@ -220,7 +248,9 @@ def started_in_processes(
     )
     finished = False
     try:
-        yield [pool.submit(fn, *task) for task in tasks]
+        with _signals_held_while_forking():
+            futures = [pool.submit(fn, *task) for task in tasks]
+        yield futures
         finished = True
     finally:
         if not finished:
@@ -238,7 +268,8 @@ def _pool_results(
     (InvalidStateError in a thread)."""
     finished = False
     try:
-        futures = [pool.submit(fn, *task) for task in tasks]
+        with _signals_held_while_forking():
+            futures = [pool.submit(fn, *task) for task in tasks]
         for future in futures:
             yield future.result()
         finished = True

@@ -190,3 +190,49 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
     assert "Interrupted (SIGINT)." in stderr and "Traceback" not in stderr, stderr
     assert "CTRL-C" not in stdout  # SCIP's own message would break --json
     assert not (project / "plan.json").exists()
+
+
+CTRL_C_AT_FORK = HARD_SOLVES.replace(
+    "from coral_iac.cli.app import app",
+    """import os, signal
+sent = []
+def ctrl_c_at_the_first_fork():
+    if not sent:
+        sent.append(1)
+        os.kill(os.getpid(), signal.SIGINT)
+os.register_at_fork(before=ctrl_c_at_the_first_fork)
+from coral_iac.cli.app import app""",
+)
+
+
+@pytest.mark.skipif(not CORAL.exists(), reason="needs the installed coral command")
+def test_ctrl_c_while_the_searches_fork_their_workers_still_stops(project: Path) -> None:
+    """A signal that lands during a fork is raised in an at-fork hook, where Python prints and
+    drops it: the plan ran on through hard solves. Held over the fork, it stops the run."""
+    built = subprocess.run(
+        [str(CORAL), "templates", "build", "--stack", "dev", "--out", "lib"],
+        cwd=project,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert built.returncode == 0, built.stderr
+    (project / "ctrl_c_at_fork.py").write_text(CTRL_C_AT_FORK)
+    command = ["plan", "--stack", "dev", "--library", "lib", "--out", "plan.json"]
+    proc = subprocess.Popen(
+        [sys.executable, "ctrl_c_at_fork.py", *command],
+        cwd=project,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        _, stderr = proc.communicate()
+        pytest.fail(f"Ctrl-C at the fork was lost: still running after 60 s; stderr:\n{stderr}")
+    assert proc.returncode == 130, stderr
+    assert "Interrupted (SIGINT)." in stderr, stderr
+    assert not (project / "plan.json").exists()
