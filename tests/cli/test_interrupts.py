@@ -63,6 +63,23 @@ def project(tmp_path: Path) -> Path:
     return tmp_path
 
 
+def _signal_state(pid: int) -> str:
+    """The process's blocked, ignored and caught signal masks (Linux), for a failure message."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return "(no /proc status)"
+    return " ".join(line for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
+
+
+def _as_a_terminal_would() -> None:
+    """In the child before exec: SIGINT handled and unblocked, as in a shell, whatever the
+    test runner's process holds (the suite's Ctrl-C tests hung in a full pytest-xdist run
+    and passed alone, their command silent after SIGINT)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT, signal.SIGTERM})
+
+
 def _build(project: Path, stack: str, out: str, executor: str = "process") -> subprocess.Popen[str]:
     command = ["templates", "build", "--stack", stack, "--out", out, "--workers", "2"]
     return subprocess.Popen(
@@ -72,6 +89,7 @@ def _build(project: Path, stack: str, out: str, executor: str = "process") -> su
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,  # a SIGINT below reaches only what the test means it to
+        preexec_fn=_as_a_terminal_would,
     )
 
 
@@ -167,6 +185,7 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_a_terminal_would,
     )
     assert proc.stderr is not None
     seen = []
@@ -181,9 +200,10 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
     try:
         stdout, stderr = proc.communicate(timeout=120)
     except subprocess.TimeoutExpired:
+        state = _signal_state(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)  # leave no process behind for the other tests
         stdout, stderr = proc.communicate()
-        pytest.fail(f"still running 120 s after Ctrl-C; its stderr:\n{stderr}")
+        pytest.fail(f"still running 120 s after Ctrl-C ({state}); its stderr:\n{stderr}")
     took = time.monotonic() - sent
     assert proc.returncode == 130, stderr
     assert took < 2.0, f"exited {took:.1f} s after Ctrl-C"
@@ -226,13 +246,15 @@ def test_ctrl_c_while_the_searches_fork_their_workers_still_stops(project: Path)
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        preexec_fn=_as_a_terminal_would,
     )
     try:
         _, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
+        state = _signal_state(proc.pid)
         os.killpg(proc.pid, signal.SIGKILL)
         _, stderr = proc.communicate()
-        pytest.fail(f"Ctrl-C at the fork was lost: still running after 60 s; stderr:\n{stderr}")
+        pytest.fail(f"Ctrl-C at the fork was lost: running after 60 s ({state}); stderr:\n{stderr}")
     assert proc.returncode == 130, stderr
     assert "Interrupted (SIGINT)." in stderr, stderr
     assert not (project / "plan.json").exists()
