@@ -29,7 +29,7 @@ PHASES = {
     "solver/capacity/slo_capacity.py:capacity_factors": "SLO capacity model",
     "solver/allocation/solve.py:solve_allocation": "ILP (all solves)",
     "solver/allocation/solve.py:_most_served": "ILP: most-served (scarce)",
-    "solver/plan/attainment.py:simulate_workload": "closed-loop simulation",
+    "solver/simulation/simulator.py:simulate": "simulation (closed loop and verification)",
     "solver/plan/attainment.py:verify_plan": "verification",
 }
 
