@@ -163,11 +163,9 @@ app(prog_name="coral")
 """
 
 
-@pytest.mark.skipif(not CORAL.exists(), reason="needs the installed coral command")
-def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: Path) -> None:
-    """SCIP catches SIGINT itself by default and returns its best plan as if its time limit
-    hit: the run went on and wrote a plan. Ctrl-C must stop the solve, exit 130 and leave
-    --out alone."""
+def _plan_dev_with(project: Path, script: str) -> subprocess.Popen[str]:
+    """`coral plan --stack dev --out plan.json` on a built library, started by `script` (which
+    patches something first) in its own session."""
     built = subprocess.run(
         [str(CORAL), "templates", "build", "--stack", "dev", "--out", "lib"],
         cwd=project,
@@ -176,10 +174,10 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
         timeout=300,
     )
     assert built.returncode == 0, built.stderr
-    (project / "hard_solves.py").write_text(HARD_SOLVES)
+    (project / "patched_coral.py").write_text(script)
     command = ["plan", "--stack", "dev", "--library", "lib", "--out", "plan.json"]
-    proc = subprocess.Popen(
-        [sys.executable, "hard_solves.py", *command],
+    return subprocess.Popen(
+        [sys.executable, "patched_coral.py", *command],
         cwd=project,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -187,6 +185,14 @@ def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: P
         start_new_session=True,
         preexec_fn=_as_a_terminal_would,
     )
+
+
+@pytest.mark.skipif(not CORAL.exists(), reason="needs the installed coral command")
+def test_ctrl_c_during_the_ilp_solve_stops_at_once_and_writes_nothing(project: Path) -> None:
+    """SCIP catches SIGINT itself by default and returns its best plan as if its time limit
+    hit: the run went on and wrote a plan. Ctrl-C must stop the solve, exit 130 and leave
+    --out alone."""
+    proc = _plan_dev_with(project, HARD_SOLVES)
     assert proc.stderr is not None
     seen = []
     for line in proc.stderr:  # the capacity model, then the first ILP solve
@@ -229,25 +235,7 @@ from coral_iac.cli.app import app""",
 def test_ctrl_c_while_the_searches_fork_their_workers_still_stops(project: Path) -> None:
     """A signal that lands during a fork is raised in an at-fork hook, where Python prints and
     drops it: the plan ran on through hard solves. Held over the fork, it stops the run."""
-    built = subprocess.run(
-        [str(CORAL), "templates", "build", "--stack", "dev", "--out", "lib"],
-        cwd=project,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert built.returncode == 0, built.stderr
-    (project / "ctrl_c_at_fork.py").write_text(CTRL_C_AT_FORK)
-    command = ["plan", "--stack", "dev", "--library", "lib", "--out", "plan.json"]
-    proc = subprocess.Popen(
-        [sys.executable, "ctrl_c_at_fork.py", *command],
-        cwd=project,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-        preexec_fn=_as_a_terminal_would,
-    )
+    proc = _plan_dev_with(project, CTRL_C_AT_FORK)
     try:
         _, stderr = proc.communicate(timeout=60)
     except subprocess.TimeoutExpired:
