@@ -394,9 +394,22 @@ class PerfModel:
         """
         card, cfg = self.card(model), self.catalog.node(node)
         layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
-        step = self.step_overhead_ms(cfg.id, phase)
-        hop_cost = hop_ms(card, size, cfg.network_gbps, self.settings) if hop else 0.0
-        return layers * layer + step + hop_cost
+        return self.stage_of_layers_ms(model, node, phase, size, layers, hop, layer)
+
+    def stage_of_layers_ms(
+        self,
+        model: ModelId,
+        node: str,
+        phase: Phase,
+        size: float,
+        layers: int,
+        hop: bool,
+        layer_ms: float,
+    ) -> float:
+        """A stage of `layers` layers taking `layer_ms` each on `node`: the layers, the
+        runtime's per-step cost and, with `hop`, the outgoing hop of `size` tokens."""
+        hop_cost = self.hop_ms(model, node, size) if hop else 0.0
+        return layers * layer_ms + self.step_overhead_ms(node, phase) + hop_cost
 
     def batch_layer_ms(
         self,
@@ -460,9 +473,7 @@ class PerfModel:
         linear = self.linear_layer_ms(model, node, tp, phase, tokens)
         fixed = None
         if linear is not None:
-            fixed = layers * linear + self.step_overhead_ms(node, phase)
-            if hop:
-                fixed += self.hop_ms(model, node, tokens)
+            fixed = self.stage_of_layers_ms(model, node, phase, tokens, layers, hop, linear)
         if len(self._fixed_memo) >= LAYER_MEMO_MAX:
             self._fixed_memo.clear()
         self._fixed_memo[key] = fixed

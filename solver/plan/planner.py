@@ -310,7 +310,8 @@ def plan_to_targets(
     inputs). The searches reuse each other's simulations (a worker's come back when it ends),
     and the caller's, given `simulations`. `on_solve(plan, factors)`: called for every
     allocation the searches solve, in search order. `on_round`: the capacity model's progress
-    (a line per tenth of the templates it models, from PROGRESS_TEMPLATES) and a line per closed-loop round."""
+    (a line per tenth of the templates it models, from PROGRESS_TEMPLATES) and a line per
+    closed-loop round."""
     if on_round:  # minutes on a large stack the first time (the factors are cached after)
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
@@ -331,11 +332,9 @@ def plan_to_targets(
     else:
         found = [("mixed", searches.run(method, None, on_round, on_solve))]
         for restriction in restrictions:
-            said = _said(on_round, restriction)
-            try:
-                found.append((restriction, searches.run("coral", restriction, said, on_solve)))
-            except CoralError as exc:  # a restricted search is a second opinion
-                said(f"failed: {exc}")
+            plan = searches.restricted(restriction, _said(on_round, restriction), on_solve)
+            if plan is not None:
+                found.append((restriction, plan))
     return best_at_target(found, priorities(fleet))
 
 
@@ -409,6 +408,20 @@ class _Searches:
             simulations=self.sims,
         )
 
+    def restricted(
+        self,
+        restriction: Restriction,
+        progress: Callable[[str], None],
+        on_solve: OnSolve | None,
+    ) -> Plan | None:
+        """A restricted search (Coral's), or None when it failed: it is a second opinion, so
+        its failure is a progress line, not an error."""
+        try:
+            return self.run("coral", restriction, progress, on_solve)
+        except CoralError as exc:
+            progress(f"failed: {exc}")
+            return None
+
 
 def _said(on_round: Callable[[str], None] | None, name: str) -> Callable[[str], None]:
     """A restricted search's progress lines, named."""
@@ -446,19 +459,11 @@ def _search_in_worker(restriction: Restriction) -> tuple[_Found, dict[Any, Any]]
     searches, queues, record = _IN_WORKERS[0]
     known = searches.sims.keys()
     solves: list[tuple[Plan, dict[str, float]]] = []
-    lines = queues.get(restriction)
-
-    def said(line: str) -> None:
-        if lines is not None:  # a SimpleQueue: written to its pipe before put returns
-            lines.put(f"{restriction} search, {line}")
-
-    plan: Plan | None = None
-    try:
-        plan = searches.run(
-            "coral", restriction, said, (lambda p, f: solves.append((p, f))) if record else None
-        )
-    except CoralError as exc:  # a restricted search is a second opinion
-        said(f"failed: {exc}")
+    lines = queues.get(restriction)  # a SimpleQueue: written to its pipe before put returns
+    said = _said(lines.put if lines is not None else None, restriction)
+    plan = searches.restricted(
+        restriction, said, (lambda p, f: solves.append((p, f))) if record else None
+    )
     return (restriction, plan, solves), searches.sims.since(known)
 
 

@@ -226,16 +226,20 @@ def map_in_processes(
     Raises:
         Terminated: SIGINT or SIGTERM arrived; every worker has ended.
     """
-    pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
-    )
+    pool = _forked_pool(workers)
     yield from _tracked(pool, _pool_results(pool, fn, tasks))
 
 
-@contextlib.contextmanager
+def _forked_pool(workers: int) -> ProcessPoolExecutor:
+    """A pool of `workers` processes forked from this one (so they read its module globals)."""
+    return ProcessPoolExecutor(
+        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
+    )
+
+
 def started_in_processes(
     fn: Callable[..., R], tasks: list[tuple[Any, ...]], workers: int
-) -> Iterator[list[Future[R]]]:
+) -> contextlib.AbstractContextManager[list[Future[R]]]:
     """`fn(*task)` for every task, started now in `workers` forked processes while the caller
     goes on with its own work; yields their futures (in task order).
 
@@ -243,9 +247,16 @@ def started_in_processes(
     global set before this block. The workers end with the block: an exception in it (Ctrl-C
     included) terminates them; otherwise the block waits for their tasks. Workers ignore SIGINT
     and die with this process."""
-    pool = ProcessPoolExecutor(
-        workers, mp_context=multiprocessing.get_context("fork"), initializer=_init_worker
-    )
+    return _submitted(_forked_pool(workers), fn, tasks)
+
+
+@contextlib.contextmanager
+def _submitted(
+    pool: ProcessPoolExecutor, fn: Callable[..., R], tasks: list[tuple[Any, ...]]
+) -> Iterator[list[Future[R]]]:
+    """`fn(*task)` for every task submitted to `pool` (its workers forked with signals held);
+    the workers end with the block, however it ends: terminated on an exception, else waited
+    for."""
     finished = False
     try:
         with _signals_held_while_forking():
@@ -253,8 +264,9 @@ def started_in_processes(
         yield futures
         finished = True
     finally:
-        if not finished:
+        if not finished:  # an error, a signal, or the consumer stopped early
             _terminate_workers(pool)
+        # Waits for the pool's manager thread, so nothing of the pool is left for exit time.
         pool.shutdown(wait=True, cancel_futures=not finished)
 
 
@@ -266,18 +278,9 @@ def _pool_results(
     Not `pool.map`: closed early, it cancels its futures before the workers end, and the
     pool's manager thread then fails setting the broken pool's error on them
     (InvalidStateError in a thread)."""
-    finished = False
-    try:
-        with _signals_held_while_forking():
-            futures = [pool.submit(fn, *task) for task in tasks]
+    with _submitted(pool, fn, tasks) as futures:
         for future in futures:
             yield future.result()
-        finished = True
-    finally:
-        if not finished:  # an error, a signal, or the consumer stopped early
-            _terminate_workers(pool)
-        # Waits for the pool's manager thread, so nothing of the pool is left for exit time.
-        pool.shutdown(wait=True, cancel_futures=not finished)
 
 
 def _run_on_ray(

@@ -267,9 +267,9 @@ class InstanceModel:
                         self.model, m.node, m.tp, t, decode_seqs, decode_context, prefill_pairs
                     )
                     self._attention[(i, k)] = (0.0, 0.0, 0.0, 0.0)
-                    fixed = stage.layers * linear + self.perf.step_overhead_ms(m.node, phase)
-                    if stage.hop:
-                        fixed += self.perf.hop_ms(self.model, m.node, t)
+                    fixed = self.perf.stage_of_layers_ms(
+                        self.model, m.node, phase, t, stage.layers, stage.hop, linear
+                    )
                 self._batch_fixed[key] = fixed
             terms = self._attention.get((i, k))
             if terms is None:
