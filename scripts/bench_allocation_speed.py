@@ -60,12 +60,12 @@ def speed_table(stacks: list[str], repeats: int, gap: float) -> list[str]:
     for name in stacks:
         fleet = _at_gap(load_stack(ROOT / "stacks", name), gap)
         start = time.perf_counter()
-        libs = libraries_for(perf, fleet, list(stack_demand(fleet)), family(name), False)
+        libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), family(name), False)
         load = time.perf_counter() - start
-        demand = stack_demand(fleet)
-        market = build_market(fleet, perf.catalog)
+        demand = stack_demand(fleet.models)
+        market = build_market(fleet.market_scope(), perf.catalog)
         columns = make_columns({j: lib.templates for j, lib in libs.items()}, market, demand)
-        problem = Problem(capacity_needed(fleet, demand), columns, market, fleet.allocation)
+        problem = Problem(capacity_needed(fleet.allocation, demand), columns, market, fleet.allocation)
         times, solutions = [], []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -128,11 +128,11 @@ def scaling_table(scales: list[int], gap: float, plot: Path) -> list[str]:
     """Solve time against size on the scaling family of paper-extended, and its plot."""
     perf = load_perf_model()
     fleet = _at_gap(load_stack(ROOT / "stacks", "paper-extended"), gap)
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), family("paper-extended"), False)
-    demand = stack_demand(fleet)
-    market = build_market(fleet, perf.catalog)
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), family("paper-extended"), False)
+    demand = stack_demand(fleet.models)
+    market = build_market(fleet.market_scope(), perf.catalog)
     columns = make_columns({j: lib.templates for j, lib in libs.items()}, market, demand)
-    base = Problem(capacity_needed(fleet, demand), columns, market, fleet.allocation)
+    base = Problem(capacity_needed(fleet.allocation, demand), columns, market, fleet.allocation)
     table = Table(title=f"Scaling (paper-extended x k, gap {gap:.1%}, median of 3)")
     heads = ["scale", "demand rows", "regions", "columns", "after reduction", "solve s", "gap"]
     for c in heads:

@@ -31,7 +31,7 @@ def _build(fleet: FleetConfig, workers: int) -> tuple[list[Library], float]:
     perf = load_perf_model()
     jobs = [(m, ph) for m in fleet.models for ph in ("prefill", "decode")]
     start = time.perf_counter()
-    libs = build_libraries(perf, fleet, jobs, workers)  # type: ignore[arg-type]
+    libs = build_libraries(perf, fleet.library_scope(), jobs, workers)  # type: ignore[arg-type]
     return libs, time.perf_counter() - start
 
 

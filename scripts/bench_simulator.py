@@ -33,7 +33,7 @@ def main(
     perf = load_perf_model()
     base = load_stack(ROOT / "stacks", stack)
     family = "paper-core" if stack.startswith("paper-core") else "paper-extended"
-    libs = libraries_for(perf, base, list(stack_demand(base)), ROOT / ".coral/library" / family)
+    libs = libraries_for(perf, base, list(stack_demand(base.models)), ROOT / ".coral/library" / family)
     for u in utilization or [1.0, 0.8, 0.7]:
         settings = base.allocation.model_copy(update={"target_utilization": u})
         fleet = base.model_copy(update={"allocation": settings})
@@ -42,7 +42,7 @@ def main(
         times, cpu, summary = [], [], {}
         for _ in range(repeats if u == 1.0 else 1):
             start, start_cpu = time.perf_counter(), time.process_time()
-            summary = simulate(plan, fleet, perf, traces, duration).summary()
+            summary = simulate(plan, fleet.models, perf, traces, duration).summary()
             times.append(time.perf_counter() - start)
             cpu.append(time.process_time() - start_cpu)
         print(

@@ -64,7 +64,7 @@ def scarce(base: str, name: str, headroom: float) -> None:
     fleet = load_stack(STACKS, base)
     plan = plan_with_library(base, fleet, perf, ROOT / ".coral/library" / base, root=ROOT)
     needed = sum(perf.catalog.node(n).gpu_count for i in plan.instances for n in i.nodes)
-    market = build_market(fleet, perf.catalog)
+    market = build_market(fleet.market_scope(), perf.catalog)
     offered: dict[tuple[str, str, str], int] = {}
     for (region, node), count in market.available.items():
         gpu, per_node = market.gpu_of[node]

@@ -51,7 +51,7 @@ def replan(
     stack: str, fleet: FleetConfig, growth: float, library_root: Path, perf: PerfModel
 ) -> list[str]:
     """One table row: the first plan, then the re-plan without and with add_only."""
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library_root / stack)
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), library_root / stack)
 
     def plan(f: FleetConfig, previous: Plan | None = None) -> Plan:
         p = plan_stack(stack, f, perf.catalog, libs, previous)

@@ -12,7 +12,8 @@ The `deploy` section of the same object belongs to the Pulumi program: the solve
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TypeVar
 
@@ -491,6 +492,30 @@ class DemandSource(BaseModel):
         return self
 
 
+@dataclass(frozen=True)
+class MarketScope:
+    """What the market stage reads of a stack (`FleetConfig.market_scope`): where it may rent
+    (`regions`), what (`node_configs`), the stack's own counts, GPU pools and prices, and which
+    market (`market`). The rest of the stack never reaches the market."""
+
+    regions: tuple[Region, ...]
+    node_configs: tuple[str, ...]
+    availability: tuple[NodeAvailability, ...]
+    gpu_pools: tuple[GpuPool, ...]
+    prices: tuple[PriceOverride, ...]
+    market: MarketSettings
+
+
+@dataclass(frozen=True)
+class LibraryScope:
+    """What the template library stage reads of a stack (`FleetConfig.library_scope`): the
+    models' specs by name, the library settings, and the market (for the node configs sold)."""
+
+    models: Mapping[str, ModelSpec]
+    library: LibrarySettings
+    market: MarketScope
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -516,6 +541,21 @@ class FleetConfig(BaseModel):
     demand_source: DemandSource = Field(
         default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
     )
+
+    def market_scope(self) -> MarketScope:
+        """The part of this fleet the market stage reads."""
+        return MarketScope(
+            tuple(self.regions),
+            tuple(self.node_configs),
+            tuple(self.availability),
+            tuple(self.gpu_pools),
+            tuple(self.prices),
+            self.market,
+        )
+
+    def library_scope(self) -> LibraryScope:
+        """The part of this fleet the template library stage reads."""
+        return LibraryScope(self.models, self.library, self.market_scope())
 
     def with_mode(self, mode: str) -> FleetConfig:
         """This fleet with another library mode (e.g. from a `--mode` option).

@@ -53,7 +53,7 @@ def perf() -> PerfModel:
 @cache
 def libraries() -> dict[tuple[str, str], Library]:
     f = fleet()
-    libs = build_libraries(perf(), f, list(stack_demand(f)))  # type: ignore[arg-type]
+    libs = build_libraries(perf(), f.library_scope(), list(stack_demand(f.models)))  # type: ignore[arg-type]
     return {(lib.model, lib.phase): lib for lib in libs}
 
 

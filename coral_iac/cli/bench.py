@@ -234,7 +234,7 @@ def bench(
                     target,
                 )
                 libs = libraries_for(
-                    perf, fleet, list(stack_demand(fleet)), library_cache(fleet), workers=workers
+                    perf, fleet, list(stack_demand(fleet.models)), library_cache(fleet), workers=workers
                 )
                 for method in (*METHODS, UNMIXED):
                     try:
@@ -243,7 +243,7 @@ def bench(
                             one_libs = libraries_for(
                                 perf,
                                 one,
-                                list(stack_demand(one)),
+                                list(stack_demand(one.models)),
                                 library_cache(one),
                                 workers=workers,
                             )

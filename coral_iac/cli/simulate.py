@@ -78,7 +78,7 @@ def simulate_cmd(
             traces[m] = t
     else:
         traces = stack_workload(fleet, duration, load, seed)
-    summary = simulate(plan, fleet, perf, traces, duration).summary()
+    summary = simulate(plan, fleet.models, perf, traces, duration).summary()
     if as_json:
         print_json(summary)
         return
@@ -115,7 +115,7 @@ def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) 
     # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.simulation.simulator import capacity_check
 
-    rows = capacity_check(plan, fleet, perf, duration_s=duration)
+    rows = capacity_check(plan, fleet.models, perf, duration_s=duration)
     if as_json:
         print_json(rows)
         return
@@ -184,7 +184,7 @@ def epochs_cmd(
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
     fleet = load_stack_named(stack).with_target_utilization(target_utilization)
     perf = load_perf_model(cards=fleet.model_cards)
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet)), library or library_root() / stack)
+    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), library or library_root() / stack)
     results = run_epochs(
         stack,
         fleet,

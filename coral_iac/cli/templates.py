@@ -82,7 +82,7 @@ def templates_build(
 
         raise InputError("--executor", f"unknown executor '{executor}'", "use process or ray")
     pm = load_perf_model(measured, cards=fleet.model_cards)
-    _, unsold = available_node_configs(fleet, pm.catalog)
+    _, unsold = available_node_configs(fleet.market_scope(), pm.catalog)
     if unsold:
         err.print(
             f"Skipped node configs no offer sells in this stack's regions: {', '.join(unsold)}"
@@ -95,7 +95,7 @@ def templates_build(
         tasks = {job: bar.add_task(f"{job[0]} {job[1]}", total=None) for job in jobs}
         libs = build_libraries(
             pm,
-            fleet,
+            fleet.library_scope(),
             jobs,  # type: ignore[arg-type]
             workers,
             lambda job, d, t: bar.update(tasks[job], completed=d, total=t),

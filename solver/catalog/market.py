@@ -15,7 +15,7 @@ from solver.catalog.market_settings import MarketKind
 from solver.catalog.offers import Catalog
 from solver.catalog.paper_market import paper_node_configs, paper_slots
 from solver.errors import InputError, unknown_value
-from solver.stack import FleetConfig
+from solver.stack import MarketScope
 
 RegionId = tuple[str, str]  # (cloud, region)
 Slot = tuple[RegionId, str]  # ((cloud, region), node config)
@@ -63,13 +63,13 @@ class MarketSource(ABC):
     kind: ClassVar[MarketKind]
 
     @abstractmethod
-    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+    def build(self, scope: MarketScope, catalog: Catalog) -> Market:
         """The stack's market (its regions checked first by `build_market`)."""
 
     @abstractmethod
-    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-        """(node configs sold in some region of the fleet, listed ones sold in none), in the
-        fleet's order: the enumeration's node list (`available_node_configs`)."""
+    def node_configs(self, scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
+        """(node configs sold in some region of the stack, listed ones sold in none), in the
+        stack's order: the enumeration's node list (`available_node_configs`)."""
 
 
 @dataclass(frozen=True)
@@ -78,14 +78,14 @@ class CatalogMarket(MarketSource):
 
     kind: ClassVar[MarketKind] = "catalog"
 
-    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+    def build(self, scope: MarketScope, catalog: Catalog) -> Market:
         """Offers, then the stack's prices and availability overrides.
 
         Raises:
             InputError: an availability override for a node no offer or price override prices.
         """
-        regions = {(r.cloud, r.region) for r in fleet.regions}
-        wanted = set(fleet.node_configs)
+        regions = {(r.cloud, r.region) for r in scope.regions}
+        wanted = set(scope.node_configs)
         price: dict[Slot, float] = {}
         available: dict[Slot, int] = {}
         for o in catalog.offers:
@@ -93,9 +93,9 @@ class CatalogMarket(MarketSource):
             if slot[0] in regions and o.node in wanted:
                 price[slot] = o.price_usd_per_hour
                 available[slot] = o.availability
-        for p in fleet.prices:
+        for p in scope.prices:
             price[((p.cloud, p.region), p.node)] = p.usd_per_hour
-        for i, a in enumerate(fleet.availability):
+        for i, a in enumerate(scope.availability):
             slot = ((str(a.cloud), a.region), a.node)
             if slot not in price:
                 raise InputError(
@@ -107,20 +107,20 @@ class CatalogMarket(MarketSource):
         for slot in price:
             available.setdefault(slot, 0)
         pools: dict[tuple[RegionId, str], int] = {
-            ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
+            ((p.cloud, p.region), p.gpu): p.gpus for p in scope.gpu_pools
         }
         gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
         return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
 
-    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
+    def node_configs(self, scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
         """A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold
         there, as `build` prices it: paper-helix's a100-40gbx1, l4x2 and t4x2, which AWS does
         not sell, are Helix's cluster."""
-        regions = {(r.cloud, r.region) for r in fleet.regions}
+        regions = {(r.cloud, r.region) for r in scope.regions}
         sold = {o.node for o in catalog.offers if (o.cloud, o.region) in regions}
-        sold |= {p.node for p in fleet.prices if (p.cloud, p.region) in regions}
-        return [n for n in fleet.node_configs if n in sold], [
-            n for n in fleet.node_configs if n not in sold
+        sold |= {p.node for p in scope.prices if (p.cloud, p.region) in regions}
+        return [n for n in scope.node_configs if n in sold], [
+            n for n in scope.node_configs if n not in sold
         ]
 
 
@@ -130,7 +130,7 @@ class PaperMarket(MarketSource):
 
     kind: ClassVar[MarketKind] = "paper"
 
-    def build(self, fleet: FleetConfig, catalog: Catalog) -> Market:
+    def build(self, scope: MarketScope, catalog: Catalog) -> Market:
         """Table 1's slots at ample availability, then the stack's availability overrides
         (price overrides do not apply).
 
@@ -138,9 +138,9 @@ class PaperMarket(MarketSource):
             InputError: an availability override for a slot the paper market does not sell (a GPU
                 Table 1 does not price, or one the region's provider does not offer).
         """
-        price = paper_slots(fleet, catalog)
-        available = dict.fromkeys(price, fleet.market.nodes_per_slot)
-        for i, a in enumerate(fleet.availability):
+        price = paper_slots(scope, catalog)
+        available = dict.fromkeys(price, scope.market.nodes_per_slot)
+        for i, a in enumerate(scope.availability):
             slot = ((str(a.cloud), a.region), a.node)
             if slot not in price:
                 raise InputError(
@@ -152,28 +152,28 @@ class PaperMarket(MarketSource):
                 )
             available[slot] = a.count
         pools: dict[tuple[tuple[str, str], str], int] = {
-            ((p.cloud, p.region), p.gpu): p.gpus for p in fleet.gpu_pools
+            ((p.cloud, p.region), p.gpu): p.gpus for p in scope.gpu_pools
         }
         gpu_of = {
-            n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in set(fleet.node_configs)
+            n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in set(scope.node_configs)
         }
         return Market(price, available, pools, gpu_of)
 
-    def node_configs(self, fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-        return paper_node_configs(fleet, catalog)
+    def node_configs(self, scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
+        return paper_node_configs(scope, catalog)
 
 
 # One source per `MarketSettings.kind` (tests/templates/test_modes.py checks it).
 MARKET_SOURCES: dict[str, MarketSource] = {m.kind: m for m in (CatalogMarket(), PaperMarket())}
 
 
-def market_source(fleet: FleetConfig) -> MarketSource:
+def market_source(scope: MarketScope) -> MarketSource:
     """The stack's market source, chosen here only from `coral:fleet.market.kind` (checked when
     the stack is parsed)."""
-    return MARKET_SOURCES[fleet.market.kind]
+    return MARKET_SOURCES[scope.market.kind]
 
 
-def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
+def build_market(scope: MarketScope, catalog: Catalog) -> Market:
     """The stack's market: its regions checked, then built by its source (`market_source`): the
     catalog's offers in its regions and node configs with its overrides, or the paper's.
 
@@ -181,11 +181,11 @@ def build_market(fleet: FleetConfig, catalog: Catalog) -> Market:
         InputError: a region no offer or price override sells in (with the closest known
             ones), or an availability override for a node the market does not price.
     """
-    check_regions(fleet, catalog)
-    return market_source(fleet).build(fleet, catalog)
+    check_regions(scope, catalog)
+    return market_source(scope).build(scope, catalog)
 
 
-def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
+def check_regions(scope: MarketScope, catalog: Catalog) -> None:
     """Every region of the stack is one the catalog sells in for its cloud, or one the stack
     prices itself (`prices`); a misspelt one would otherwise be silently empty.
 
@@ -193,9 +193,9 @@ def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
         InputError: naming `coral:fleet.regions[i].region`, with the closest known regions and,
             when the region belongs to the other cloud, the cloud to set.
     """
-    priced = {(p.cloud, p.region) for p in fleet.prices}
+    priced = {(p.cloud, p.region) for p in scope.prices}
     sold = set(catalog.regions)
-    for i, r in enumerate(fleet.regions):
+    for i, r in enumerate(scope.regions):
         if (r.cloud, r.region) in sold or (r.cloud, r.region) in priced:
             continue
         field = f"coral:fleet.regions[{i}].region"
@@ -211,7 +211,7 @@ def check_regions(fleet: FleetConfig, catalog: Catalog) -> None:
         )
 
 
-def check_something_available(market: Market, fleet: FleetConfig) -> None:
+def check_something_available(market: Market, scope: MarketScope) -> None:
     """At least one (region, node config) of the stack has a node to rent. A check of the
     stack as written (`solver.validation.check_fleet`), not of every market: a simulated epoch
     may scale availability to 0 on purpose.
@@ -221,11 +221,11 @@ def check_something_available(market: Market, fleet: FleetConfig) -> None:
     """
     if any(market.available[slot] > 0 for slot in market.price):
         return
-    regions = ", ".join(f"{r.cloud}:{r.region}" for r in fleet.regions)
+    regions = ", ".join(f"{r.cloud}:{r.region}" for r in scope.regions)
     offered = "; ".join(f"{region_name(r)} {n}" for r, n in market.price) or "none"
     raise InputError(
         "coral:fleet.availability",
-        f"no node config of node_configs ({', '.join(fleet.node_configs)}) is available in any "
+        f"no node config of node_configs ({', '.join(scope.node_configs)}) is available in any "
         f"region of the stack ({regions}); offered slots, all with 0 nodes: {offered}",
         "raise a count under coral:fleet.availability, or add regions or node_configs the "
         "catalog offers (`coral catalog show`)",

@@ -19,7 +19,7 @@ builds the paper market from the slots priced here.
 from __future__ import annotations
 
 from solver.catalog.offers import Catalog
-from solver.stack import FleetConfig
+from solver.stack import MarketScope
 
 # Table 1 "Rel. cost": mean hourly price normalised to L4 (paper Sec. 3), keyed by our GPU ids.
 RELATIVE_COST: dict[str, float] = {
@@ -45,12 +45,12 @@ def paper_price(gpu: str, gpus: int, l4_usd_per_gpu_hour: float) -> float:
     return gpus * RELATIVE_COST[gpu] * l4_usd_per_gpu_hour
 
 
-def paper_slots(fleet: FleetConfig, catalog: Catalog) -> dict[tuple[tuple[str, str], str], float]:
+def paper_slots(scope: MarketScope, catalog: Catalog) -> dict[tuple[tuple[str, str], str], float]:
     """((cloud, region), node config) -> $/hour for every slot the paper market sells."""
-    settings = fleet.market
+    settings = scope.market
     out: dict[tuple[tuple[str, str], str], float] = {}
-    for r in fleet.regions:
-        for n in fleet.node_configs:
+    for r in scope.regions:
+        for n in scope.node_configs:
             cfg = catalog.node(n)
             if cfg.gpu_id in OFFERED_BY.get(r.cloud, frozenset()):
                 out[((r.cloud, r.region), n)] = paper_price(
@@ -59,10 +59,10 @@ def paper_slots(fleet: FleetConfig, catalog: Catalog) -> dict[tuple[tuple[str, s
     return dict(sorted(out.items()))
 
 
-def paper_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-    """(node configs the paper market sells in some region of the fleet, listed ones it does
-    not), in the fleet's order: the enumeration's node list under `market: paper`."""
-    sold = {n for _, n in paper_slots(fleet, catalog)}
-    return [n for n in fleet.node_configs if n in sold], [
-        n for n in fleet.node_configs if n not in sold
+def paper_node_configs(scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
+    """(node configs the paper market sells in some region of the stack, listed ones it does
+    not), in the stack's order: the enumeration's node list under `market: paper`."""
+    sold = {n for _, n in paper_slots(scope, catalog)}
+    return [n for n in scope.node_configs if n in sold], [
+        n for n in scope.node_configs if n not in sold
     ]

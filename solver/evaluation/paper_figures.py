@@ -296,7 +296,7 @@ def run_setup(
     """One set-up's libraries (cached under `cache`), priced: the Fig. 1a and 1b numbers, the
     paper's Fig. 1a plan in our model, and every Fig. 1b template."""
     fleet = setup_fleet(name, node_configs, stacks, stack)
-    market = build_market(fleet, perf.catalog)
+    market = build_market(fleet.market_scope(), perf.catalog)
     t0 = time.perf_counter()
     folder = cache / (name + ("" if node_configs is None else "-" + digest(node_configs)))
     by_job = libraries_for(perf, fleet, [FIG1A, FIG1B], folder, workers=workers, stack=stack)
@@ -389,8 +389,8 @@ def fig1a_job(
     (cheapest region selling every node), and Table 1's relative GPU-hour prices scaled to the
     catalog's cheapest L4 GPU-hour, linear in GPU count. Builds only that job's library (not
     cached)."""
-    (lib,) = build_libraries(perf, fleet, [(model, phase)], workers=workers)
-    market = build_market(fleet, perf.catalog)
+    (lib,) = build_libraries(perf, fleet.library_scope(), [(model, phase)], workers=workers)
+    market = build_market(fleet.market_scope(), perf.catalog)
     l4_gpu_hour = min(p for (r, n), p in market.price.items() if n == "l4x1")
     catalog_rows, paper_rows = [], []
     for t in lib.templates:

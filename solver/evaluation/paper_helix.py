@@ -68,7 +68,7 @@ def place_library(perf: PerfModel, fleet: FleetConfig, job: Job, place: Placemen
     t0 = time.perf_counter()
     model, phase = job
     settings = fleet.library
-    nodes, _ = available_node_configs(fleet, perf.catalog)
+    nodes, _ = available_node_configs(fleet.market_scope(), perf.catalog)
     weight = perf.card(model).weight_bytes
     multisets = list(
         enumerate_multisets(
@@ -89,7 +89,7 @@ def place_library(perf: PerfModel, fleet: FleetConfig, job: Job, place: Placemen
         phase=phase,
         mode=settings.mode,
         slo_ms=slo_ms,
-        input_hashes=input_hashes(perf, fleet, model, phase),
+        input_hashes=input_hashes(perf, fleet.library_scope(), model, phase),
         node_configs=nodes,
         stats=LibraryStats(
             enumerated=len(multisets),
@@ -108,9 +108,9 @@ def placed_libraries(
     """The stack's libraries from `folder`, each missing or stale one placed with `place` and
     saved there first."""
     libs = {}
-    for job in stack_demand(fleet):
+    for job in stack_demand(fleet.models):
         try:
-            libs[job] = load_library(folder, perf, fleet, *job)
+            libs[job] = load_library(folder, perf, fleet.library_scope(), *job)
         except InputError:  # missing, unreadable or stale
             libs[job] = place_library(perf, fleet, job, place)
             save_library(libs[job], folder, STACK)
@@ -125,7 +125,7 @@ def helix_fleet(stacks: Path) -> FleetConfig:
 
 def cluster_usd_per_hour(fleet: FleetConfig, perf: PerfModel) -> float:
     """Every node of the cluster at the stack's prices: what Helix's one pipeline rents."""
-    market = build_market(fleet, perf.catalog)
+    market = build_market(fleet.market_scope(), perf.catalog)
     return sum(
         a.count * market.price[((str(a.cloud), a.region), a.node)] for a in fleet.availability
     )
@@ -155,7 +155,7 @@ def helix_eval(
     folder = cache / ("coupled" if coupled else "uncoupled-per-stage")
     t0 = time.perf_counter()
     if coupled:
-        jobs = list(stack_demand(fleet))
+        jobs = list(stack_demand(fleet.models))
         libs = libraries_for(perf, fleet, jobs, folder, workers=workers, stack=STACK)
     else:
         libs = placed_libraries(perf, fleet, folder, uncoupled_placement)
@@ -164,17 +164,17 @@ def helix_eval(
     plan = validate_plan(
         plan_stack(STACK, fleet, perf.catalog, libs), fleet, perf.catalog, perf.cards
     )
-    rows = capacity_check(plan, fleet, perf, duration_s=duration_s)
+    rows = capacity_check(plan, fleet.models, perf, duration_s=duration_s)
     spec = fleet.models[MODEL]
     rate = (spec.demand.requests_per_s or 0.0) if spec.demand is not None else 0.0
     trace = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction)
-    sim = simulate(plan, fleet, perf, {MODEL: trace}, duration_s).summary()
+    sim = simulate(plan, fleet.models, perf, {MODEL: trace}, duration_s).summary()
     sweep: list[
         dict[str, Any]
     ] = []  # the paper holds Coral to Helix's median latencies: the load where both hold
     for load in LOADS:
         t = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction * load)
-        r = simulate(plan, fleet, perf, {MODEL: t}, duration_s).summary()
+        r = simulate(plan, fleet.models, perf, {MODEL: t}, duration_s).summary()
         ttft = cast(float | None, r["ttft_p50_ms"]) or inf
         tpot = cast(float | None, r["tpot_p50_ms"]) or inf
         ok = ttft <= spec.slo_ms.prefill and tpot <= spec.slo_ms.decode

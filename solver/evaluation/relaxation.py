@@ -55,11 +55,11 @@ def lp_relaxation(
     binds in the paper stacks: no previous plan, no budget, colocate_phases false or one region).
     `demand`: per (model, phase), default the stack's (`stack_demand`). None: the LP is
     infeasible."""
-    demand = stack_demand(fleet) if demand is None else demand
+    demand = stack_demand(fleet.models) if demand is None else demand
     columns = make_columns(templates, market, demand)
     if cauchy:
         columns = cauchy_columns(columns)
-    problem = Problem(capacity_needed(fleet, demand), columns, market, fleet.allocation)
+    problem = Problem(capacity_needed(fleet.allocation, demand), columns, market, fleet.allocation)
     solver = pywraplp.Solver.CreateSolver("GLOP")
     x = [solver.NumVar(0.0, solver.infinity(), f"x{i}") for i in range(len(columns))]
     use = node_usage(problem)
@@ -87,6 +87,6 @@ def relaxed_cost(p: Planned, fleet: FleetConfig, perf: PerfModel, method: Method
         ]
         for job, lib in p.libs.items()
     }
-    market = build_market(fleet, perf.catalog)
+    market = build_market(fleet.market_scope(), perf.catalog)
     lp = lp_relaxation(fleet, market, templates, p.plan.served_fraction, method == "cauchy")
     return min(frac, lp) if lp is not None else frac

@@ -183,7 +183,7 @@ def exhaustive_pools(fleet: FleetConfig, catalog: Catalog) -> FleetConfig:
     market's ample availability, so the scarce paper-setup plans matched the default ones."""
     if not fleet.gpu_pools:
         return fleet
-    market = build_market(fleet, catalog)
+    market = build_market(fleet.market_scope(), catalog)
     listed = {((p.cloud, p.region), p.gpu) for p in fleet.gpu_pools}
     sold = sorted({(region, market.gpu_of[node][0]) for region, node in market.price})
     extra = [
@@ -201,7 +201,7 @@ def library_dir(cache: Path, fleet: FleetConfig, setup: str, variant: str) -> Pa
 
 def cluster_cost(fleet: FleetConfig, perf: PerfModel) -> float:
     """$/hour of every node the stack makes available (Helix rents its whole cluster)."""
-    market = build_market(fleet, perf.catalog)
+    market = build_market(fleet.market_scope(), perf.catalog)
     return sum(market.price[s] * n for s, n in market.available.items())
 
 
@@ -230,7 +230,7 @@ def plan_recorded(
     the project folder relative trace paths are read from."""
     t0 = time.perf_counter()
     libs = libraries_for(
-        perf, fleet, list(stack_demand(fleet)), directory, True, workers, stack=name, force=True
+        perf, fleet, list(stack_demand(fleet.models)), directory, True, workers, stack=name, force=True
     )
     rounds: list[tuple[Plan, dict[str, float]]] = []
     plan = plan_to_targets(

@@ -564,7 +564,7 @@ def simulate_workload(
     traces, duration_s = _traces(fleet, purpose, duration_s, plan, root)
     served = {i.model for i in plan.instances if models is None or i.model in models}
     traces = {m: t for m, t in traces.items() if m in served}
-    return simulate(plan, fleet, perf, traces, duration_s) if traces else None
+    return simulate(plan, fleet.models, perf, traces, duration_s) if traces else None
 
 
 class Simulations:
@@ -611,7 +611,7 @@ class Simulations:
         }
         todo = {m: traces[m] for m, k in keys.items() if k not in self._results}
         if todo:
-            fresh = simulate(plan, fleet, self.perf, todo, duration_s).models
+            fresh = simulate(plan, fleet.models, self.perf, todo, duration_s).models
             self._results.update({keys[m]: r for m, r in fresh.items()})
         return {m: self._results[k] for m, k in keys.items()}
 

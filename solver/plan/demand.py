@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from solver.errors import InputError
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, ModelSpec
 from solver.types import Job
 
 
-def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
+def stack_demand(models: Mapping[str, ModelSpec]) -> dict[Job, float]:
     """(model, phase) -> demand: tokens/s for prefill and decode, requests/s for aggregated.
 
     Args:
-        fleet: the stack's `coral:fleet` config.
+        models: the stack's models (`coral:fleet.models`), by name.
 
     Returns:
         Each job's demand, in stack order of the models.
@@ -20,7 +22,7 @@ def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
         InputError: a model without demand, or with a demand its serving mode cannot use.
     """
     out: dict[Job, float] = {}
-    for model, spec in fleet.models.items():
+    for model, spec in models.items():
         try:
             for phase, d in spec.phase_demand().items():
                 out[(model, phase)] = d
@@ -33,15 +35,17 @@ def stack_demand(fleet: FleetConfig) -> dict[Job, float]:
     return out
 
 
-def capacity_needed(fleet: FleetConfig, demand: dict[Job, float]) -> dict[Job, float]:
+def capacity_needed(
+    allocation: AllocationSettings, demand: dict[Job, float]
+) -> dict[Job, float]:
     """Capacity to buy per job: demand over `allocation.target_utilization` (queueing headroom).
 
     Args:
-        fleet: the stack (its `allocation.target_utilization`).
+        allocation: the stack's allocation settings (their `target_utilization`).
         demand: (model, phase) -> demand, as `stack_demand` gives it.
 
     Returns:
         (model, phase) -> throughput the plan must deliver at a served fraction of 1.
     """
-    u = fleet.allocation.target_utilization
+    u = allocation.target_utilization
     return {job: d / u for job, d in demand.items()}

@@ -40,7 +40,7 @@ class EpochResult:
 
 def scaled_availability(fleet: FleetConfig, catalog: Catalog, factor: float) -> FleetConfig:
     """The stack with every (region, node config) availability scaled by `factor` (floored)."""
-    market = build_market(fleet, catalog)
+    market = build_market(fleet.market_scope(), catalog)
     overrides = [
         NodeAvailability.model_validate(
             {"cloud": r[0], "region": r[1], "node": n, "count": math.floor(count * factor)}
@@ -87,7 +87,7 @@ def run_epochs(
             if seconds <= 0:
                 continue
             traces = stack_requests(fleet.models, seconds, seed=seed + 100 * e + 10 * k)
-            result = simulate(p, fleet, perf, traces, seconds)
+            result = simulate(p, fleet.models, perf, traces, seconds)
             for r in result.models.values():
                 good += float(r.output[r.met].sum())
                 met += float(r.met.sum())

@@ -71,7 +71,7 @@ def libraries_for(
     todo: list[Job] = []
     for job in jobs:
         try:
-            libs[job] = load_library(directory, perf, fleet, *job)
+            libs[job] = load_library(directory, perf, fleet.library_scope(), *job)
         except StaleLibraryError:
             if not rebuild_stale:
                 raise
@@ -86,7 +86,7 @@ def libraries_for(
         # the (model, phase) libraries it finished.
         for lib in build_libraries(
             perf,
-            fleet,
+            fleet.library_scope(),
             todo,
             workers,
             progress,
@@ -245,8 +245,8 @@ def plan_stack(
     not offered. None: every template at its library throughput (the paper's formulation).
     `restriction`: offer only the templates it keeps (`RESTRICTIONS`).
     """
-    demand = stack_demand(fleet)
-    market = build_market(fleet, catalog)
+    demand = stack_demand(fleet.models)
+    market = build_market(fleet.market_scope(), catalog)
     templates = {job: lib.templates for job, lib in libs.items()}
     if method == "cauchy":  # Cauchy-like: Coral's ILP over single-config templates
         restriction = "single config"
@@ -260,7 +260,7 @@ def plan_stack(
         }
     columns = make_columns(templates, market, demand)
     # Capacity to buy: demand over the target utilization (headroom for queueing).
-    needed = capacity_needed(fleet, demand)
+    needed = capacity_needed(fleet.allocation, demand)
     if method in ("homo-paper", "cauchy-paper"):
         columns, solution = paper_baseline(method, fleet, market, needed, columns)
     elif method == "homo":
@@ -640,7 +640,7 @@ def plan_with_library(
         libs = libraries_for(
             perf,
             planned_fleet,
-            list(stack_demand(planned_fleet)),
+            list(stack_demand(planned_fleet.models)),
             directory,
             True,
             workers,
@@ -666,7 +666,7 @@ def plan_with_library(
         )
 
     plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)
-    jobs = set(stack_demand(planned_fleet))
+    jobs = set(stack_demand(planned_fleet.models))
     library = {
         template_ref(m, ph, t.key): t
         for (m, ph), lib in loaded.items()

@@ -87,7 +87,7 @@ def plan_problems(
     if problems:
         return problems
     fleet = fleet_for_plan(fleet, plan)  # a routed model's buckets are models of their own
-    market = build_market(fleet, catalog)
+    market = build_market(fleet.market_scope(), catalog)
     tally = _Tally()
     keys: set[str] = set()
     for inst in plan.instances:
@@ -107,7 +107,7 @@ def plan_problems(
         problems.append(
             f"hourly cost: recomputed {tally.total:.4f} $/h, the plan says {plan.hourly_cost_usd}"
         )
-    demand = stack_demand(fleet)
+    demand = stack_demand(fleet.models)
     problems.extend(_demand_problems(plan, fleet, demand, tally))
     if fleet.allocation.colocate_phases:
         demanded = {job for job, d in demand.items() if d > 0}
@@ -199,7 +199,7 @@ def served_fractions(
         model -> min over its jobs with demand of supply / (demand / target utilization), at
         most 1.
     """
-    needed = capacity_needed(fleet, demand)
+    needed = capacity_needed(fleet.allocation, demand)
     return per_model({job: supply.get(job, 0.0) / n for job, n in needed.items() if n > 0})
 
 
@@ -209,7 +209,7 @@ def _demand_problems(
     """Every stack job in the plan with the stack's demand, covered at the served fraction."""
     out = []
     recorded = {(j.model, j.phase): j for j in plan.jobs}
-    needed = capacity_needed(fleet, demand)
+    needed = capacity_needed(fleet.allocation, demand)
     u = fleet.allocation.target_utilization
     for job, d in sorted(demand.items()):
         phi = plan.fraction_of(job[0])

@@ -37,19 +37,21 @@ from solver.serving.candidates import RowSource as RowSource  # re-exported: sol
 from solver.serving.paper_mode import paper_candidate
 from solver.serving.placement_search import place_chain
 from solver.serving.serving_template import ServingTemplate, Stage, StageMember, template_key
-from solver.stack import FleetConfig
+from solver.stack import MarketScope
 from solver.types import Mode
 
 
-def available_node_configs(fleet: FleetConfig, catalog: Catalog) -> tuple[list[str], list[str]]:
-    """(node configs sold in the fleet's regions, listed ones no offer there sells), as the
+def available_node_configs(
+    scope: MarketScope, catalog: Catalog
+) -> tuple[list[str], list[str]]:
+    """(node configs sold in the stack's regions, listed ones no offer there sells), as the
     stack's market source says (`solver.catalog.market.MarketSource.node_configs`).
 
     A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold there,
     as the market (`build_market`) prices it: paper-helix's a100-40gbx1, l4x2 and t4x2, which
     AWS does not sell, are Helix's cluster.
     """
-    return market_source(fleet).node_configs(fleet, catalog)
+    return market_source(scope).node_configs(scope, catalog)
 
 
 def enumerate_multisets(

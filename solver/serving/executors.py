@@ -33,7 +33,7 @@ from solver.serving.enumeration import (
     available_node_configs,
     best_candidate,
 )
-from solver.stack import FleetConfig
+from solver.stack import LibraryScope
 from solver.types import Job
 
 Executor = Literal["process", "ray"]
@@ -44,18 +44,18 @@ CHUNK = 256  # multisets per task: large enough to amortise dispatch, small for 
 class _Placer:
     """Places chunks of multisets; one per worker process or Ray actor, caching T̂ rows."""
 
-    def __init__(self, perf: PerfModel, fleet: FleetConfig) -> None:
-        self.perf, self.fleet = perf, fleet
-        self.nodes, _ = available_node_configs(fleet, perf.catalog)
+    def __init__(self, perf: PerfModel, scope: LibraryScope) -> None:
+        self.perf, self.scope = perf, scope
+        self.nodes, _ = available_node_configs(scope.market, perf.catalog)
         self.rows: dict[Job, RowSource] = {}
 
     def place(self, job: Job, chunk: list[tuple[str, ...]]) -> list[Candidate]:
         if job not in self.rows:
             model, phase = job
             self.rows[job] = RowSource(
-                self.perf, model, phase, self.fleet.models[model], self.nodes
+                self.perf, model, phase, self.scope.models[model], self.nodes
             )
-        rows, mode = self.rows[job], self.fleet.library.strategy
+        rows, mode = self.rows[job], self.scope.library.strategy
         return [c for ms in chunk if (c := best_candidate(rows, ms, mode)) is not None]
 
 
@@ -182,9 +182,9 @@ def _init_worker() -> None:
     _die_with_parent()
 
 
-def _init_process(perf: PerfModel, fleet: FleetConfig) -> None:
+def _init_process(perf: PerfModel, scope: LibraryScope) -> None:
     _init_worker()
-    _PLACER[:] = [_Placer(perf, fleet)]
+    _PLACER[:] = [_Placer(perf, scope)]
 
 
 def _place_in_process(job: Job, chunk: list[tuple[str, ...]]) -> list[Candidate]:
@@ -193,7 +193,7 @@ def _place_in_process(job: Job, chunk: list[tuple[str, ...]]) -> list[Candidate]
 
 def run_tasks(
     perf: PerfModel,
-    fleet: FleetConfig,
+    scope: LibraryScope,
     tasks: list[tuple[Job, list[tuple[str, ...]]]],
     workers: int,
     executor: Executor,
@@ -205,12 +205,12 @@ def run_tasks(
         Terminated: SIGINT or SIGTERM arrived; every worker has ended.
     """
     if executor == "ray":
-        yield from _tracked(None, _run_on_ray(perf, fleet, tasks, workers, ray_address))
+        yield from _tracked(None, _run_on_ray(perf, scope, tasks, workers, ray_address))
     elif workers <= 1:
-        placer = _Placer(perf, fleet)
+        placer = _Placer(perf, scope)
         yield from (placer.place(job, chunk) for job, chunk in tasks)
     else:
-        pool = ProcessPoolExecutor(workers, initializer=_init_process, initargs=(perf, fleet))
+        pool = ProcessPoolExecutor(workers, initializer=_init_process, initargs=(perf, scope))
         yield from _tracked(pool, _pool_results(pool, _place_in_process, tasks))
 
 
@@ -285,7 +285,7 @@ def _pool_results(
 
 def _run_on_ray(
     perf: PerfModel,
-    fleet: FleetConfig,
+    scope: LibraryScope,
     tasks: list[tuple[Job, list[tuple[str, ...]]]],
     workers: int,
     address: str | None,
@@ -315,7 +315,7 @@ def _run_on_ray(
             local = _descendants()
         n_actors = workers if not address else max(1, int(ray.cluster_resources().get("CPU", 1)))
         actor = ray.remote(num_cpus=1)(_Placer)
-        pool = actor_pool([actor.remote(perf, fleet) for _ in range(n_actors)])
+        pool = actor_pool([actor.remote(perf, scope) for _ in range(n_actors)])
         yield from pool.map(lambda a, t: a.place.remote(*t), tasks)
     finally:
         if started_here:

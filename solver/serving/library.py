@@ -42,7 +42,7 @@ from solver.serving.library_format import (
 from solver.serving.placement_search import COUPLED_DECODE_VERSION
 from solver.serving.pruning import prune_dominated
 from solver.serving.serving_template import ServingTemplate
-from solver.stack import FleetConfig
+from solver.stack import LibraryScope
 from solver.types import Job, LibPhase, Mode
 
 LIBRARY_FORMAT = FORMAT
@@ -74,11 +74,11 @@ def library_filename(model: str, phase: str, slo_ms: dict[str, float], mode: str
 
 
 def input_hashes(
-    perf: PerfModel, fleet: FleetConfig, model: str, phase: LibPhase
+    perf: PerfModel, scope: LibraryScope, model: str, phase: LibPhase
 ) -> dict[str, str]:
     """A hash per input, so a mismatch can name what changed."""
-    nodes, _ = available_node_configs(fleet, perf.catalog)
-    spec = fleet.models[model]
+    nodes, _ = available_node_configs(scope.market, perf.catalog)
+    spec = scope.models[model]
     slo = spec.slo_ms.model_dump()
     hashes = {
         "gpu_data": digest(
@@ -119,22 +119,22 @@ def input_hashes(
                 "phase": phase,
             }
         ),
-        "n_max": digest(fleet.library.n_max),
-        "rho": digest(fleet.library.rho),
+        "n_max": digest(scope.library.n_max),
+        "rho": digest(scope.library.rho),
         # The library mode by its name (the template space), apart from the runtime whose
         # overheads `perf_model` records (`perf.runtime`: vllm or helix).
-        "mode": digest(fleet.library.mode),
+        "mode": digest(scope.library.mode),
     }
-    if not fleet.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
+    if not scope.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
         hashes["mixing"] = digest(False)
-    if fleet.library.strategy.coupled_decode(phase):  # the paper's coupled decode pipelines
+    if scope.library.strategy.coupled_decode(phase):  # the paper's coupled decode pipelines
         hashes["placement"] = digest(COUPLED_DECODE_VERSION)
     return hashes
 
 
 def build_libraries(
     perf: PerfModel,
-    fleet: FleetConfig,
+    scope: LibraryScope,
     jobs: list[Job],
     workers: int = 1,
     progress: Callable[[Job, int, int], None] | None = None,
@@ -149,8 +149,8 @@ def build_libraries(
     as each job's library is complete (jobs finish in order), so a caller can save it before
     the next one is done and an interrupted build keeps what it finished.
     """
-    settings = fleet.library
-    nodes, _ = available_node_configs(fleet, perf.catalog)
+    settings = scope.library
+    nodes, _ = available_node_configs(scope.market, perf.catalog)
     multisets: dict[Job, list[tuple[str, ...]]] = {}
     for job in jobs:
         weight = perf.card(job[0]).weight_bytes
@@ -168,7 +168,7 @@ def build_libraries(
     last_end = time.perf_counter()
     built: dict[Job, Library] = {}
     for (job, chunk), result in zip(
-        tasks, run_tasks(perf, fleet, tasks, workers, executor, ray_address), strict=True
+        tasks, run_tasks(perf, scope, tasks, workers, executor, ray_address), strict=True
     ):
         found[job].extend(result)
         done[job] += len(chunk)
@@ -176,13 +176,13 @@ def build_libraries(
             progress(job, done[job], len(multisets[job]))
         if done[job] == len(multisets[job]):
             seconds = time.perf_counter() - last_end
-            built[job] = _library(perf, fleet, nodes, job, len(multisets[job]), found[job], seconds)
+            built[job] = _library(perf, scope, nodes, job, len(multisets[job]), found[job], seconds)
             last_end = time.perf_counter()
             if on_built:
                 on_built(built[job])
     for job in jobs:  # a job with no multiset to place has no chunk
         if job not in built:
-            built[job] = _library(perf, fleet, nodes, job, 0, [], 0.0)
+            built[job] = _library(perf, scope, nodes, job, 0, [], 0.0)
             if on_built:
                 on_built(built[job])
     return [built[job] for job in jobs]
@@ -190,7 +190,7 @@ def build_libraries(
 
 def _library(
     perf: PerfModel,
-    fleet: FleetConfig,
+    scope: LibraryScope,
     nodes: list[str],
     job: Job,
     enumerated: int,
@@ -200,14 +200,14 @@ def _library(
     """A job's library from its placed candidates: the undominated ones, as templates."""
     model, phase = job
     kept, dominated = prune_dominated(found)
-    rows = RowSource(perf, model, phase, fleet.models[model], nodes)
+    rows = RowSource(perf, model, phase, scope.models[model], nodes)
     templates = sorted((to_template(rows, c) for c in kept), key=lambda t: t.key)
     return Library(
         model=model,
         phase=phase,
-        mode=fleet.library.mode,
-        slo_ms=_slo_of(fleet, model, phase),
-        input_hashes=input_hashes(perf, fleet, model, phase),
+        mode=scope.library.mode,
+        slo_ms=_slo_of(scope, model, phase),
+        input_hashes=input_hashes(perf, scope, model, phase),
         node_configs=nodes,
         stats=LibraryStats(
             enumerated=enumerated,
@@ -221,14 +221,14 @@ def _library(
 
 
 def build_library(
-    perf: PerfModel, fleet: FleetConfig, model: str, phase: LibPhase, workers: int = 1
+    perf: PerfModel, scope: LibraryScope, model: str, phase: LibPhase, workers: int = 1
 ) -> Library:
     """One (model, phase) library; see `build_libraries`."""
-    return build_libraries(perf, fleet, [(model, phase)], workers)[0]
+    return build_libraries(perf, scope, [(model, phase)], workers)[0]
 
 
-def _slo_of(fleet: FleetConfig, model: str, phase: LibPhase) -> dict[str, float]:
-    slo = fleet.models[model].slo_ms
+def _slo_of(scope: LibraryScope, model: str, phase: LibPhase) -> dict[str, float]:
+    slo = scope.models[model].slo_ms
     if phase == "aggregated":
         return {"prefill": slo.prefill, "decode": slo.decode}
     return {phase: getattr(slo, phase)}
@@ -284,7 +284,7 @@ def library_owner(directory: Path) -> dict[str, Any] | None:
 
 
 def load_library(
-    directory: Path, perf: PerfModel, fleet: FleetConfig, model: str, phase: LibPhase
+    directory: Path, perf: PerfModel, scope: LibraryScope, model: str, phase: LibPhase
 ) -> Library:
     """Load one library file and check its input hashes against the current inputs.
 
@@ -298,7 +298,7 @@ def load_library(
         StaleLibraryError: an input changed since it was built (named).
     """
     path = directory / library_filename(
-        model, phase, _slo_of(fleet, model, phase), fleet.library.mode
+        model, phase, _slo_of(scope, model, phase), scope.library.mode
     )
     if not path.exists():
         raise InputError(
@@ -306,7 +306,7 @@ def load_library(
             "no serving-template library for this model/phase/SLO/mode",
             "run `coral templates build --stack STACK --out DIR`",
         )
-    return read_library(path, input_hashes(perf, fleet, model, phase))
+    return read_library(path, input_hashes(perf, scope, model, phase))
 
 
 def read_library(path: Path, current: dict[str, str] | None = None) -> Library:

@@ -40,6 +40,7 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
+from collections.abc import Mapping
 
 import numpy as np
 
@@ -48,7 +49,7 @@ from solver.plan_schema import Plan, template_ref
 from solver.serving.instance_model import InstanceModel
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.traces import Trace, WorkloadShape, generate_trace
-from solver.stack import FleetConfig
+from solver.stack import ModelSpec
 
 
 def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
@@ -285,12 +286,17 @@ def _prefill_only(inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray) 
 
 
 def simulate(
-    plan: Plan, fleet: FleetConfig, perf: PerfModel, traces: dict[str, Trace], duration_s: float
+    plan: Plan,
+    models: Mapping[str, ModelSpec],
+    perf: PerfModel,
+    traces: dict[str, Trace],
+    duration_s: float,
 ) -> SimResult:
-    """Simulate every model's trace on the plan's instances."""
+    """Simulate every model's trace on the plan's instances (`models`: the stack's model
+    specs, by name)."""
     results = {}
     for model, trace in sorted(traces.items()):
-        spec = fleet.models[model]
+        spec = models[model]
         by_phase: dict[str, list[InstanceModel]] = {}
         names: dict[str, list[str]] = {}
         shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
@@ -375,7 +381,7 @@ def simulate(
 
 def capacity_check(
     plan: Plan,
-    fleet: FleetConfig,
+    models: Mapping[str, ModelSpec],
     perf: PerfModel,
     duration_s: float = 600.0,
     overload: float = 1.5,
@@ -388,7 +394,7 @@ def capacity_check(
     rows: list[dict[str, object]] = []
     for ref in sorted({template_ref(i.model, i.phase, i.template) for i in plan.instances}):
         template = plan.templates[ref]
-        spec = fleet.models[template.model]
+        spec = models[template.model]
         inst = InstanceModel.serving(perf, template, spec)
         per_request = {
             "prefill": spec.mean_prompt_tokens,

@@ -152,8 +152,8 @@ def test_the_most_served_solve_starts_from_the_homogeneous_optimum():
         for n in SMALL_FLEET["node_configs"]
     ]
     f = with_rps(*scarce_rps(), availability=avail)
-    demand = stack_demand(f)
-    market = build_market(f, perf().catalog)
+    demand = stack_demand(f.models)
+    market = build_market(f.market_scope(), perf().catalog)
     templates = {job: lib.templates for job, lib in libraries().items()}
     problem = Problem(demand, make_columns(templates, market, demand), market, f.allocation)
     fair = Fairness(active=frozenset(served_models(problem)))
@@ -276,7 +276,7 @@ def test_model_without_demand_is_a_clear_error():
         models={"phi-4": {k: v for k, v in SMALL_FLEET["models"]["phi-4"].items() if k != "demand"}}
     )
     with pytest.raises(InputError, match=r"models\.phi-4\.demand"):
-        stack_demand(f)
+        stack_demand(f.models)
 
 
 def test_cli_plan_json_diff_and_strict(tmp_path, monkeypatch):
@@ -519,12 +519,12 @@ def test_a_stale_library_raises_its_own_type_naming_what_changed(tmp_path):
 
     for lib in libraries().values():
         save_library(lib, tmp_path)
-    assert load_library(tmp_path, perf(), fleet(), "phi-4", "decode").templates
+    assert load_library(tmp_path, perf(), fleet().library_scope(), "phi-4", "decode").templates
     fewer = fleet(node_configs=["l4x1", "l40sx1", "a10gx1"])
     with pytest.raises(StaleLibraryError, match="stale library.*node_configs"):
-        load_library(tmp_path, perf(), fewer, "phi-4", "decode")
+        load_library(tmp_path, perf(), fewer.library_scope(), "phi-4", "decode")
     with pytest.raises(InputError, match="no serving-template library") as missing:
-        load_library(tmp_path / "empty", perf(), fleet(), "phi-4", "decode")
+        load_library(tmp_path / "empty", perf(), fleet().library_scope(), "phi-4", "decode")
     assert not isinstance(missing.value, StaleLibraryError)
 
 
@@ -661,11 +661,11 @@ def test_a_replan_starts_from_the_running_plan_while_it_still_serves_demand():
 
     f = with_rps(3, 4)
     first = plan_for(f)
-    market = build_market(f, perf().catalog)
-    demand = stack_demand(f)
+    market = build_market(f.market_scope(), perf().catalog)
+    demand = stack_demand(f.models)
     templates = {job: lib.templates for job, lib in libraries().items()}
     columns = make_columns(templates, market, demand)
-    problem = Problem(capacity_needed(f, demand), columns, market, f.allocation, first.counts())
+    problem = Problem(capacity_needed(f.allocation, demand), columns, market, f.allocation, first.counts())
     plan = running_plan(problem, 1.0)
     assert plan is not None
     assert sum(plan.values()) == len(first.instances)

@@ -39,7 +39,7 @@ def fleet(**changes: Any) -> FleetConfig:
 
 
 def test_every_shape_is_priced_linearly_at_table_1():
-    market = build_market(fleet(), load_catalog())
+    market = build_market(fleet().market_scope(), load_catalog())
     for gpu, rel in RELATIVE_COST.items():
         for n in SIZES:
             assert market.price[(AWS, f"{gpu}x{n}")] == pytest.approx(n * rel * 0.8048)
@@ -51,12 +51,12 @@ def test_every_shape_is_priced_linearly_at_table_1():
 
 
 def test_gcp_sells_what_table_1_marks_and_the_enumeration_sees_every_size():
-    market = build_market(fleet(), load_catalog())
+    market = build_market(fleet().market_scope(), load_catalog())
     gcp = {n for (r, n) in market.price if r == GCP}
     assert gcp == {n for n in NODES if not n.startswith(("l40s", "a10g"))}
-    sold, unsold = available_node_configs(fleet(), load_catalog())
+    sold, unsold = available_node_configs(fleet().market_scope(), load_catalog())
     assert sold == NODES and unsold == []
-    catalog_sold, _ = available_node_configs(fleet(market="catalog"), load_catalog())
+    catalog_sold, _ = available_node_configs(fleet(market="catalog").market_scope(), load_catalog())
     assert "h100x2" not in catalog_sold  # the real catalog has no on-demand h100x2
 
 
@@ -66,7 +66,7 @@ def test_scale_source_and_overrides():
         availability=[{"cloud": "aws", "region": AWS[1], "node": "l4x8", "count": 3}],
         gpu_pools=[{"cloud": "aws", "region": AWS[1], "gpu": "l4", "gpus": 16}],
     )
-    market = build_market(f, load_catalog())
+    market = build_market(f.market_scope(), load_catalog())
     assert market.price[(AWS, "a100-80gbx4")] == pytest.approx(4 * 3.5 * 2.0)
     assert market.available[(AWS, "l4x8")] == 3 and market.available[(AWS, "l4x4")] == 1000
     assert market.gpu_pools[(AWS, "l4")] == 16
@@ -77,7 +77,7 @@ def test_scale_source_and_overrides():
 def test_override_of_a_slot_the_paper_market_does_not_sell_names_the_key():
     bad = fleet(availability=[{"cloud": "gcp", "region": GCP[1], "node": "l40sx1", "count": 2}])
     with pytest.raises(InputError, match=r"availability\[0\].*GCP offers no L40S"):
-        build_market(bad, load_catalog())
+        build_market(bad.market_scope(), load_catalog())
 
 
 def test_catalog_market_is_unchanged_by_default():
@@ -89,6 +89,6 @@ def test_catalog_market_is_unchanged_by_default():
         }
     )
     assert f.market.kind == "catalog"
-    market = build_market(f, load_catalog())
+    market = build_market(f.market_scope(), load_catalog())
     assert market.price[(AWS, "l4x1")] == pytest.approx(0.8048)
     assert market.available[(AWS, "l4x1")] == 16  # the catalog's own availability

@@ -143,7 +143,7 @@ def test_a_300_character_stack_name_is_an_error_not_a_traceback(tmp_path, monkey
 )
 def test_unknown_or_misspelt_regions_are_errors_with_a_guess(regions, problem, suggestion):
     with pytest.raises(InputError, match=problem) as e:
-        build_market(fleet(regions=regions), load_catalog())
+        build_market(fleet(regions=regions).market_scope(), load_catalog())
     assert e.value.suggestions[0] == suggestion
 
 
@@ -159,7 +159,7 @@ def test_a_region_the_stack_prices_itself_is_known():
     f = fleet(
         regions=[{"cloud": "aws", "region": "eu-north-1"}], prices=[price], availability=[count]
     )
-    market = build_market(f, load_catalog())
+    market = build_market(f.market_scope(), load_catalog())
     assert market.price[(("aws", "eu-north-1"), "l4x1")] == 1.0
 
 
@@ -173,7 +173,7 @@ def test_availability_zero_everywhere_is_an_error_not_an_empty_plan():
         check_fleet(fleet(availability=zero), cat, cards)
     check_fleet(fleet(availability=zero[1:]), cat, cards)  # one slot left: fine
     # A market may still be all zero: a simulated epoch scales availability to 0 on purpose.
-    assert not any(build_market(fleet(availability=zero), cat).available.values())
+    assert not any(build_market(fleet(availability=zero).market_scope(), cat).available.values())
 
 
 def test_a_mean_request_above_the_context_is_an_error():

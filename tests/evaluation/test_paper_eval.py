@@ -204,7 +204,7 @@ def test_scarce_pools_cover_every_gpu_the_paper_market_sells():
         assert pools[(p.cloud, p.region, p.gpu)] == p.gpus
     assert pools[("aws", "ap-northeast-2", "h100")] == 0
     assert pools[("aws", "us-east-2", "a100-80gb")] == 0
-    market = build_market(fleet, cat)
+    market = build_market(fleet.market_scope(), cat)
     sold = {(r, market.gpu_of[n][0]) for r, n in market.price}
     assert sold <= set(market.gpu_pools)
     default = scenario("extended/default")

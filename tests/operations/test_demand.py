@@ -333,7 +333,7 @@ def test_demand_file_tokens_for_an_aggregated_model_become_requests_per_s():
     )
     report = file_demand(fleet, doc, "d.yaml")
     assert report.models[0].demand == Demand(requests_per_s=2)
-    assert stack_demand(report.apply(fleet)) == {("qwen3-32b", "aggregated"): 2}
+    assert stack_demand(report.apply(fleet).models) == {("qwen3-32b", "aggregated"): 2}
 
 
 def test_prometheus_url_override_from_option_then_environment(monkeypatch):

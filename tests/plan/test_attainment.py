@@ -52,7 +52,7 @@ def test_the_dev_plan_meets_its_target_on_a_seed_nobody_used(perf, dev_library):
     assert abs(row.verified - (row.planned or 0)) <= 0.03  # the prediction holds
     # The whole real trace its workload is named after, planning's requests included.
     traces = stack_requests(fleet.models, 3_600, root=REPO, purpose="replay")
-    result = simulate(plan, fleet, perf, traces, 3_600).models["phi-4"]
+    result = simulate(plan, fleet.models, perf, traces, 3_600).models["phi-4"]
     assert result.met.mean() >= 0.9
     assert abs(result.met.mean() - row.verified) <= 0.03
 

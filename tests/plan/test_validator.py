@@ -66,7 +66,7 @@ def test_a_plan_that_lowers_its_own_demand_is_rejected_with_the_job_and_numbers(
     assert len(decode) >= 2
     dropped = decode[-1].key
     left = sum(i.throughput for i in decode[:-1])
-    stack = stack_demand(f)[("phi-4", "decode")]
+    stack = stack_demand(f.models)[("phi-4", "decode")]
     assert left < stack
     forged = forge(plan, lambda i: i.key != dropped, {("phi-4", "decode"): left})
     with pytest.raises(InvalidPlan) as exc:
@@ -92,10 +92,10 @@ def test_a_plan_that_drops_a_job_is_rejected_with_the_job_and_numbers():
         lambda i: (i.model, i.phase) != ("gpt-oss-20b", "decode"),
         {("gpt-oss-20b", "decode"): None},
     )
-    assert {(j.model, j.phase) for j in forged.jobs} == set(stack_demand(f)) - {
+    assert {(j.model, j.phase) for j in forged.jobs} == set(stack_demand(f.models)) - {
         ("gpt-oss-20b", "decode")
     }
-    stack = stack_demand(f)[("gpt-oss-20b", "decode")]
+    stack = stack_demand(f.models)[("gpt-oss-20b", "decode")]
     with pytest.raises(InvalidPlan) as exc:
         validate_plan(forged, f, perf().catalog, perf().cards)
     text = str(exc.value)
@@ -117,7 +117,7 @@ def test_a_plan_claiming_more_than_its_instances_serve_is_rejected():
     f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 8, availability=avail)
     plan = solve(f)
     assert 0 < plan.served_fraction < 1
-    actual = min(served_fractions(f, stack_demand(f), _supply(plan)).values())
+    actual = min(served_fractions(f, stack_demand(f.models), _supply(plan)).values())
     assert actual >= plan.served_fraction
     claimed = Plan.model_validate(
         plan.model_dump() | {"served_fraction": 1.0, "served_fractions": {}}
@@ -136,7 +136,7 @@ def test_coverage_applies_the_target_utilization_like_the_planner():
     plan = solve(f)
     short = [
         job
-        for job, need in capacity_needed(half, stack_demand(half)).items()
+        for job, need in capacity_needed(half.allocation, stack_demand(half.models)).items()
         if _supply(plan).get(job, 0.0) < need
     ]
     assert short

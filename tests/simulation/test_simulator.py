@@ -220,7 +220,7 @@ def test_a_plan_simulated_below_capacity_meets_its_slos():
         )
         for i, (m, spec) in enumerate(sorted(f.models.items()))
     }
-    s = simulate(plan, f, perf(), traces, 300).summary()
+    s = simulate(plan, f.models, perf(), traces, 300).summary()
     assert s["finished"] == s["requests"] > 0
     assert s["slo_attainment"] >= 0.95
     assert s["goodput_tokens_per_s"] > 0
@@ -244,7 +244,7 @@ def test_a_prompt_no_prefill_instance_can_hold_is_a_miss_not_a_crash():
     huge = base.prompt.copy()
     huge[0] = 10_000_000
     traces = {model: type(base)(base.arrival_s, huge, base.output)}
-    r = simulate(plan, f, perf(), traces, 60).models[model]
+    r = simulate(plan, f.models, perf(), traces, 60).models[model]
     assert np.isinf(r.finish_s[0]) and not r.met[0]
     assert np.isfinite(r.finish_s[1:]).all()
 
@@ -387,7 +387,7 @@ def test_library_and_simulator_agree_on_each_templates_capacity():
 
     f = fleet()
     plan = plan_stack("test", f, perf().catalog, libraries())
-    rows = capacity_check(plan, f, perf(), duration_s=300)
+    rows = capacity_check(plan, f.models, perf(), duration_s=300)
     assert {r["phase"] for r in rows} == {"prefill", "decode"}
     for r in rows:
         assert 0.9 <= r["ratio"] <= 1.05, r

@@ -104,7 +104,7 @@ def test_paper_decode_libraries_record_the_coupled_search():
     """A paper-mode decode library built before the coupling is stale (rebuilt by coral plan);
     prefill and other modes' libraries are untouched."""
     f = fleet()
-    assert "placement" in input_hashes(perf(), f, "llama2-70b", "decode")
-    assert "placement" not in input_hashes(perf(), f, "llama2-70b", "prefill")
+    assert "placement" in input_hashes(perf(), f.library_scope(), "llama2-70b", "decode")
+    assert "placement" not in input_hashes(perf(), f.library_scope(), "llama2-70b", "prefill")
     general = f.with_mode("general")
-    assert "placement" not in input_hashes(perf(), general, "llama2-70b", "decode")
+    assert "placement" not in input_hashes(perf(), general.library_scope(), "llama2-70b", "decode")

@@ -24,7 +24,7 @@ STACKS = Path(__file__).resolve().parents[2] / "stacks"
 CORE = load_stack(STACKS, "paper-core")
 # Module-level rather than the `perf` fixture: Hypothesis prints every argument on failure.
 PERF = load_perf_model()
-NODES, _ = available_node_configs(CORE, PERF.catalog)
+NODES, _ = available_node_configs(CORE.market_scope(), PERF.catalog)
 
 
 @cache

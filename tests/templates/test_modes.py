@@ -2,7 +2,7 @@
 
 The stack names them (`library.mode`: vllm, general, paper; `market`: catalog, paper); an unknown
 name fails when the stack is parsed, naming the field and the values there are. The stages call
-the chosen object (`fleet.library.strategy`, `market_source(fleet)`) and never compare the names:
+the chosen object (`fleet.library.strategy`, `market_source(fleet.market_scope())`) and never compare the names:
 a test reads the source of `solver` and `coral_iac` with `ast` to keep it so.
 """
 
@@ -55,8 +55,8 @@ def test_one_strategy_per_name_and_the_stack_chooses_it():
         assert library_mode(name) is fleet.library.strategy
         assert type(dev().with_mode(name).library.strategy) is cls
     assert type(dev().library.strategy) is VllmMode  # the default
-    assert type(market_source(dev())) is CatalogMarket
-    assert type(market_source(dev(market="paper"))) is PaperMarket
+    assert type(market_source(dev().market_scope())) is CatalogMarket
+    assert type(market_source(dev(market="paper").market_scope())) is PaperMarket
 
 
 @pytest.mark.parametrize(
@@ -225,7 +225,7 @@ def test_the_checker_on_examples(source, found):
 
 
 def test_no_stage_compares_mode_names():
-    """Each stage asks the strategy (`fleet.library.strategy`, `market_source(fleet)`); only
+    """Each stage asks the strategy (`fleet.library.strategy`, `market_source(fleet.market_scope())`); only
     `solver/modes.py` (and `solver.catalog.market`'s table of sources) name the choices."""
     files = [p for root in ROOTS for p in sorted((REPO / root).rglob("*.py"))]
     assert len(files) > 100

@@ -43,7 +43,7 @@ def paper_fleet(**changes: Any) -> FleetConfig:
 @cache
 def paper_libraries() -> dict[tuple[str, str], Library]:
     f = paper_fleet()
-    libs = build_libraries(perf(), f, list(stack_demand(f)))  # type: ignore[arg-type]
+    libs = build_libraries(perf(), f.library_scope(), list(stack_demand(f.models)))  # type: ignore[arg-type]
     return {(lib.model, lib.phase): lib for lib in libs}
 
 
@@ -59,7 +59,7 @@ def rows(phase: str, decode_slo_ms: float = 60) -> RowSource:
 def test_paper_library_saves_and_loads(tmp_path):
     lib = paper_libraries()[("phi-4", "prefill")]
     save_library(lib, tmp_path)
-    loaded = load_library(tmp_path, perf(), paper_fleet(), "phi-4", "prefill")
+    loaded = load_library(tmp_path, perf(), paper_fleet().library_scope(), "phi-4", "prefill")
     assert loaded.model_dump() == lib.model_dump()
     assert "__paper.json" in lib.filename
 
