@@ -6,12 +6,19 @@ from __future__ import annotations
 
 from solver.catalog.offers import Catalog
 from solver.plan_schema import Plan, template_ref
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, AttainmentSettings, LibrarySettings
 
 
-def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[str]:
-    """Why the Pulumi program would refuse `plan` for this stack, one line each with the
-    setting that changes it (empty: it deploys). `coral plan` reports the same list when it
+def deploy_problems(
+    plan: Plan,
+    catalog: Catalog,
+    library: LibrarySettings,
+    allocation: AllocationSettings,
+    attainment: AttainmentSettings,
+) -> list[str]:
+    """Why the Pulumi program would refuse `plan` for this stack (its `library`, `allocation`
+    and `attainment` settings), one line each with the setting that changes it (empty: it
+    deploys). `coral plan` reports the same list when it
     writes the plan, so a refusal is known before any preview."""
     problems: list[str] = []
     unsold = sorted(
@@ -29,25 +36,25 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
             + ": a node priced only under coral:fleet.prices can be planned and simulated, not "
             "deployed; add the offer to the catalog, or remove the node from node_configs"
         )
-    mode_problem = fleet.library.strategy.deploy_problem()  # paper, general: not on stock vLLM
+    mode_problem = library.strategy.deploy_problem()  # paper, general: not on stock vLLM
     if mode_problem is not None:
         problems.append(mode_problem)
-    budget = fleet.allocation.budget_usd_per_hour
+    budget = allocation.budget_usd_per_hour
     if budget is not None and any(line.startswith("budget") for line in plan.binding):
         problems.append(
             f"the plan exceeds the budget: {budget} $/hour serves only part of the demand "
-            f"({plan.short_words()}); raise coral:fleet.allocation.budget_usd_per_hour or "
+            f"({plan.short_words()}); raise coral:allocation.budget_usd_per_hour or "
             "lower demand"
         )
     if not plan.serves_any() and plan.jobs:
         problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
-    if not fleet.attainment.accept_below_target:
+    if not attainment.accept_below_target:
         for a in plan.below_target():
             problems.append(
                 f"{a.model} meets its SLOs for {100 * (a.judged or 0):.1f}% of requests in "
                 f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "
                 "coral:fleet.attainment.rounds, lower the model's slo_attainment, or set "
-                "coral:fleet.attainment.accept_below_target: true to deploy it anyway"
+                "coral:attainment.accept_below_target: true to deploy it anyway"
             )
     for model, cloud, region, phases in plan.unpaired():
         problems.append(
@@ -55,8 +62,8 @@ def deploy_problems(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> list[st
             "disaggregated pair needs both in one region (KV moves over the private "
             "network). "
             + (
-                "Set coral:fleet.allocation.colocate_phases: true (the planner then pairs them), "
-                if not fleet.allocation.colocate_phases
+                "Set coral:allocation.colocate_phases: true (the planner then pairs them), "
+                if not allocation.colocate_phases
                 else ""
             )
             + "restrict the model's regions, or set serving: aggregated"

@@ -20,7 +20,7 @@ from __future__ import annotations
 import base64
 import gzip
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import Literal, cast
 
 from jinja2 import Environment
@@ -31,7 +31,7 @@ from coral_iac.deploy_settings import GatewaySettings
 from solver.errors import InputError
 from solver.operations.reconfiguration import IMAGE_SEP
 from solver.plan_schema import Instance, LengthBucket, Plan, template_ref
-from solver.stack import FleetConfig
+from solver.stack import Region
 from solver.types import BUCKET_SEP, FROZEN, base_model
 
 UpstreamState = Literal["ready", "starting", "draining"]
@@ -341,9 +341,9 @@ def render_gateway_user_data(
     )
 
 
-def gateway_region(fleet: FleetConfig, settings: GatewaySettings) -> str | None:
-    """Where the gateway runs: `deploy.gateway.region`, else the fleet's first aws region, else
+def gateway_region(regions: Sequence[Region], settings: GatewaySettings) -> str | None:
+    """Where the gateway runs: `deploy.gateway.region`, else the stack's first aws region (of `regions`, `coral:fleet.regions`), else
     None (a GCP-only fleet without a gateway region: the program warns and declares none)."""
     if settings.region is not None:
         return settings.region
-    return next((r.region for r in fleet.regions if r.cloud == settings.cloud), None)
+    return next((r.region for r in regions if r.cloud == settings.cloud), None)

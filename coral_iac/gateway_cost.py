@@ -2,12 +2,13 @@
 `coral_iac/data/gateway_prices.yaml` (each price with its source and date, none invented).
 
 The solver's plan knows nothing of the gateway, so the program hands the allocation the budget
-less the gateway's $/hour (`fleet_for_allocation`) and adds a "gateway" line to the cost diff.
+less the gateway's $/hour (`allocation_after_gateway`) and adds a "gateway" line to the cost diff.
 An item without a sourced price is reported as unpriced, never counted as free silently.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from datetime import date
 from pathlib import Path
 from typing import Literal
@@ -18,7 +19,7 @@ from coral_iac.deploy_settings import DeploySettings
 from coral_iac.gateway_config import gateway_region
 from solver.errors import InputError
 from solver.io import load_yaml_model
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, Region
 from solver.types import FROZEN
 
 PRICES = Path(__file__).resolve().parent / "data" / "gateway_prices.yaml"
@@ -156,12 +157,12 @@ class GatewayCost(BaseModel):
 
 
 def gateway_cost(
-    fleet: FleetConfig, deploy: DeploySettings, prices: GatewayPrices | None = None
+    regions: Sequence[Region], deploy: DeploySettings, prices: GatewayPrices | None = None
 ) -> GatewayCost | None:
     """The gateway's $/hour as `deploy.gateway` declares it; None without a gateway.
 
     Args:
-        fleet: the stack's fleet (the gateway's default region is its first aws region).
+        regions: the stack's regions (the gateway's default region is its first aws one).
         deploy: `coral:fleet.deploy`.
         prices: the price table (default `gateway_prices.yaml`).
 
@@ -169,7 +170,7 @@ def gateway_cost(
         The VM and address with their prices, or None when the gateway is off or has no region.
     """
     settings = deploy.gateway
-    region = gateway_region(fleet, settings) if settings.enabled else None
+    region = gateway_region(regions, settings) if settings.enabled else None
     if region is None:
         return None
     prices = prices or load_gateway_prices()
@@ -197,15 +198,18 @@ def gateway_cost(
     )
 
 
-def fleet_for_allocation(fleet: FleetConfig, cost: GatewayCost | None) -> FleetConfig:
-    """The fleet whose budget is what is left for GPU nodes once the gateway is paid.
+def allocation_after_gateway(
+    allocation: AllocationSettings, cost: GatewayCost | None
+) -> AllocationSettings:
+    """The allocation settings whose budget is what is left for GPU nodes once the gateway is
+    paid (the same settings when there is no budget or no gateway cost).
 
     Raises:
         InputError: the budget does not even cover the gateway.
     """
-    budget = fleet.allocation.budget_usd_per_hour
+    budget = allocation.budget_usd_per_hour
     if budget is None or cost is None or cost.usd_per_hour == 0:
-        return fleet
+        return allocation
     left = budget - cost.usd_per_hour
     if left <= 0:
         raise InputError(
@@ -213,5 +217,4 @@ def fleet_for_allocation(fleet: FleetConfig, cost: GatewayCost | None) -> FleetC
             f"{budget:g} $/hour does not cover the gateway's {cost.usd_per_hour:,.4f} $/hour",
             "raise the budget, or set coral:fleet.deploy.gateway.enabled: false",
         )
-    allocation = fleet.allocation.model_copy(update={"budget_usd_per_hour": left})
-    return fleet.model_copy(update={"allocation": allocation})
+    return allocation.model_copy(update={"budget_usd_per_hour": left})

@@ -46,7 +46,7 @@ from coral_iac.engine_args import instance_engine, precision_group_bf16
 from coral_iac.exposure import exposure_warnings
 from coral_iac.gateway import Gateway, GatewayArgs, published_health
 from coral_iac.gateway_config import gateway_region, health_parameter_name, replicas_up
-from coral_iac.gateway_cost import fleet_for_allocation, gateway_cost
+from coral_iac.gateway_cost import allocation_after_gateway, gateway_cost
 from coral_iac.infra import Infra, InfraArgs, gcp_node_zones
 from coral_iac.model_files import card_disk_gb
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
@@ -166,7 +166,7 @@ def make_plan(
 
 def check_deployable(plan: Plan, fleet: FleetConfig, catalog: Catalog) -> None:
     """Fail the preview (not a node at boot) when the plan cannot run as declared."""
-    problems = deploy_problems(plan, fleet, catalog)
+    problems = deploy_problems(plan, catalog, fleet.library, fleet.allocation, fleet.attainment)
     if problems:
         raise pulumi.RunError("Coral cannot deploy this plan:\n  " + "\n  ".join(problems))
 
@@ -376,7 +376,7 @@ def _replicas_up(
         for m in (previous.members.values() if previous is not None else [])
         if m.state == "starting" and m.instance.phase in FRONTED
     ]
-    region = gateway_region(fleet, deploy.gateway) if deploy.gateway.enabled else None
+    region = gateway_region(fleet.regions, deploy.gateway) if deploy.gateway.enabled else None
     if not waiting or region is None:
         return None
     report = published_health(stack, infra.aws_provider(region))
@@ -407,7 +407,7 @@ def _gateway(
     settings = deploy.gateway
     if not settings.enabled:
         return None
-    region = gateway_region(fleet, settings)
+    region = gateway_region(fleet.regions, settings)
     if region is None:
         pulumi.log.warn(
             "no gateway: it runs on aws and the fleet has no aws region. Set coral:fleet.deploy."
@@ -496,8 +496,9 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         previous, previous_state, images = previous_outputs(stack)
         perf = load_perf_model(cards=fleet.model_cards)
         # The plan knows nothing of the gateway: the allocation gets the budget less its $/hour.
-        gateway_usd = gateway_cost(fleet, deploy)
-        allocated = fleet_for_allocation(fleet, gateway_usd)
+        gateway_usd = gateway_cost(fleet.regions, deploy)
+        allocation = allocation_after_gateway(fleet.allocation, gateway_usd)
+        allocated = fleet.model_copy(update={"allocation": allocation})
         plan = make_plan(stack, allocated, deploy, perf, previous, options)
     except CoralError as e:
         raise pulumi.RunError(str(e)) from None

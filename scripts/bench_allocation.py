@@ -100,7 +100,9 @@ def main(
     for name in stacks or STACKS:
         fleet = load_stack(ROOT / "stacks", name)
         base = "paper-core" if name.startswith("paper-core") else "paper-extended"
-        libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), ROOT / ".coral/library" / base)
+        libs = libraries_for(
+            perf, fleet, list(stack_demand(fleet.models)), ROOT / ".coral/library" / base
+        )
         plans, times = [], []
         for _ in range(repeats):
             p = plan_stack(name, fleet, perf.catalog, libs)
@@ -151,7 +153,9 @@ def compare_backends(stack: str, backends: list[str], time_limit: float) -> list
     perf = load_perf_model()
     base = load_stack(ROOT / "stacks", stack)
     family = "paper-core" if stack.startswith("paper-core") else "paper-extended"
-    libs = libraries_for(perf, base, list(stack_demand(base.models)), ROOT / ".coral/library" / family)
+    libs = libraries_for(
+        perf, base, list(stack_demand(base.models)), ROOT / ".coral/library" / family
+    )
     table = Table(
         title=f"Backends on {stack} (time limit {time_limit:g} s, gap {base.allocation.relative_gap:.0%})"
     )

@@ -65,7 +65,9 @@ def speed_table(stacks: list[str], repeats: int, gap: float) -> list[str]:
         demand = stack_demand(fleet.models)
         market = build_market(fleet.market_scope(), perf.catalog)
         columns = make_columns({j: lib.templates for j, lib in libs.items()}, market, demand)
-        problem = Problem(capacity_needed(fleet.allocation, demand), columns, market, fleet.allocation)
+        problem = Problem(
+            capacity_needed(fleet.allocation, demand), columns, market, fleet.allocation
+        )
         times, solutions = [], []
         for _ in range(repeats):
             start = time.perf_counter()
@@ -128,7 +130,9 @@ def scaling_table(scales: list[int], gap: float, plot: Path) -> list[str]:
     """Solve time against size on the scaling family of paper-extended, and its plot."""
     perf = load_perf_model()
     fleet = _at_gap(load_stack(ROOT / "stacks", "paper-extended"), gap)
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), family("paper-extended"), False)
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet.models)), family("paper-extended"), False
+    )
     demand = stack_demand(fleet.models)
     market = build_market(fleet.market_scope(), perf.catalog)
     columns = make_columns({j: lib.templates for j, lib in libs.items()}, market, demand)

@@ -30,7 +30,9 @@ def main(
     stacks = ROOT / "stacks"
     fleet = resolve_demand(load_stack(stacks, stack), stack, stacks, warn=lambda _: None)
     perf = load_perf_model(cards=fleet.model_cards)
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), ROOT / ".coral/library" / stack)
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet.models)), ROOT / ".coral/library" / stack
+    )
     factors = {}
     for n in (1, workers):
         start = time.perf_counter()

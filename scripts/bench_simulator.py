@@ -33,7 +33,9 @@ def main(
     perf = load_perf_model()
     base = load_stack(ROOT / "stacks", stack)
     family = "paper-core" if stack.startswith("paper-core") else "paper-extended"
-    libs = libraries_for(perf, base, list(stack_demand(base.models)), ROOT / ".coral/library" / family)
+    libs = libraries_for(
+        perf, base, list(stack_demand(base.models)), ROOT / ".coral/library" / family
+    )
     for u in utilization or [1.0, 0.8, 0.7]:
         settings = base.allocation.model_copy(update={"target_utilization": u})
         fleet = base.model_copy(update={"allocation": settings})

@@ -124,5 +124,6 @@ def check_fleet(fleet: FleetConfig, catalog: Catalog, cards: Mapping[str, ModelC
     """
     check_node_configs(fleet, catalog)
     check_gpu_pools(fleet, catalog)
-    check_something_available(build_market(fleet.market_scope(), catalog), fleet.market_scope())  # also checks the regions
+    scope = fleet.market_scope()
+    check_something_available(build_market(scope, catalog), scope)  # also checks the regions
     check_models_against_cards(fleet, cards)

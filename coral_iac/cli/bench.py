@@ -234,7 +234,11 @@ def bench(
                     target,
                 )
                 libs = libraries_for(
-                    perf, fleet, list(stack_demand(fleet.models)), library_cache(fleet), workers=workers
+                    perf,
+                    fleet,
+                    list(stack_demand(fleet.models)),
+                    library_cache(fleet),
+                    workers=workers,
                 )
                 for method in (*METHODS, UNMIXED):
                     try:

@@ -246,7 +246,9 @@ def make_plan(
             on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
             force=force,
         )
-    return result, deploy_problems(result, fleet, perf.catalog)
+    return result, deploy_problems(
+        result, perf.catalog, fleet.library, fleet.allocation, fleet.attainment
+    )
 
 
 def load_plan(path: Path) -> Any:

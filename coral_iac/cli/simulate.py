@@ -184,7 +184,9 @@ def epochs_cmd(
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
     fleet = load_stack_named(stack).with_target_utilization(target_utilization)
     perf = load_perf_model(cards=fleet.model_cards)
-    libs = libraries_for(perf, fleet, list(stack_demand(fleet.models)), library or library_root() / stack)
+    libs = libraries_for(
+        perf, fleet, list(stack_demand(fleet.models)), library or library_root() / stack
+    )
     results = run_epochs(
         stack,
         fleet,

@@ -230,7 +230,14 @@ def plan_recorded(
     the project folder relative trace paths are read from."""
     t0 = time.perf_counter()
     libs = libraries_for(
-        perf, fleet, list(stack_demand(fleet.models)), directory, True, workers, stack=name, force=True
+        perf,
+        fleet,
+        list(stack_demand(fleet.models)),
+        directory,
+        True,
+        workers,
+        stack=name,
+        force=True,
     )
     rounds: list[tuple[Plan, dict[str, float]]] = []
     plan = plan_to_targets(

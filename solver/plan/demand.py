@@ -35,9 +35,7 @@ def stack_demand(models: Mapping[str, ModelSpec]) -> dict[Job, float]:
     return out
 
 
-def capacity_needed(
-    allocation: AllocationSettings, demand: dict[Job, float]
-) -> dict[Job, float]:
+def capacity_needed(allocation: AllocationSettings, demand: dict[Job, float]) -> dict[Job, float]:
     """Capacity to buy per job: demand over `allocation.target_utilization` (queueing headroom).
 
     Args:

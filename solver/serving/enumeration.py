@@ -41,9 +41,7 @@ from solver.stack import MarketScope
 from solver.types import Mode
 
 
-def available_node_configs(
-    scope: MarketScope, catalog: Catalog
-) -> tuple[list[str], list[str]]:
+def available_node_configs(scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
     """(node configs sold in the stack's regions, listed ones no offer there sells), as the
     stack's market source says (`solver.catalog.market.MarketSource.node_configs`).
 

@@ -665,7 +665,9 @@ def test_a_replan_starts_from_the_running_plan_while_it_still_serves_demand():
     demand = stack_demand(f.models)
     templates = {job: lib.templates for job, lib in libraries().items()}
     columns = make_columns(templates, market, demand)
-    problem = Problem(capacity_needed(f.allocation, demand), columns, market, f.allocation, first.counts())
+    problem = Problem(
+        capacity_needed(f.allocation, demand), columns, market, f.allocation, first.counts()
+    )
     plan = running_plan(problem, 1.0)
     assert plan is not None
     assert sum(plan.values()) == len(first.instances)

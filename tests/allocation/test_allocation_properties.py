@@ -297,7 +297,8 @@ def unmixed_libraries() -> dict[tuple[str, str], Any]:
 
     f = fleet(library=SMALL_FLEET["library"] | {"mixing": False})
     return {
-        (lib.model, lib.phase): lib for lib in build_libraries(perf(), f.library_scope(), list(stack_demand(f.models)))
+        (lib.model, lib.phase): lib
+        for lib in build_libraries(perf(), f.library_scope(), list(stack_demand(f.models)))
     }
 
 

@@ -19,7 +19,7 @@ from coral_iac.exposure import exposure_warnings, world_open
 from coral_iac.gateway_config import gateway_region
 from coral_iac.gateway_cost import (
     GatewayPrices,
-    fleet_for_allocation,
+    allocation_after_gateway,
     gateway_cost,
     load_gateway_prices,
 )
@@ -94,9 +94,9 @@ def test_every_committed_stack_prices_its_whole_gateway(stack):
     $/hour, the budget and the cost diff count it in full (no '*' note)."""
     doc = yaml.safe_load((STACKS / f"Pulumi.{stack}.yaml").read_text())
     fleet, deploy = parse_fleet(doc["config"], stack), parse_deploy(doc["config"], stack)
-    cost = gateway_cost(fleet, deploy, load_gateway_prices())
+    cost = gateway_cost(fleet.regions, deploy, load_gateway_prices())
     if cost is None:  # no gateway: switched off, or no aws region to put it in
-        assert not deploy.gateway.enabled or gateway_region(fleet, deploy.gateway) is None
+        assert not deploy.gateway.enabled or gateway_region(fleet.regions, deploy.gateway) is None
         return
     prices = load_gateway_prices()
     vm = prices.instance("aws", deploy.gateway.instance_type, cost.region)
@@ -112,7 +112,7 @@ def test_a_region_without_a_price_is_a_labelled_gap():
     """No silent 0: the VM is listed as unpriced (naming the region and the file), the cost
     diff marks the gateway row and says what the totals leave out."""
     elsewhere = DeploySettings.model_validate({"gateway": {"region": "eu-west-1"}})
-    cost = gateway_cost(dev_fleet(), elsewhere, load_gateway_prices())
+    cost = gateway_cost(dev_fleet().regions, elsewhere, load_gateway_prices())
     assert cost is not None and [i.name for i in cost.unpriced] == ["c7i.large VM"]
     assert cost.unpriced[0].usd_per_hour is None
     assert "no price for aws c7i.large in eu-west-1 in gateway_prices.yaml" in (
@@ -131,17 +131,17 @@ def test_price_file_rejects_two_prices_for_one_item(tmp_path):
 
 def test_gateway_cost_sums_vm_and_regional_address():
     prices = GatewayPrices.model_validate(PRICED)
-    cost = gateway_cost(dev_fleet(), DeploySettings(), prices)
+    cost = gateway_cost(dev_fleet().regions, DeploySettings(), prices)
     assert cost is not None and not cost.unpriced
     assert cost.usd_per_hour == pytest.approx(0.27)  # the us-east-2 address row beats the global
     assert "test table (us-east-2), read 2026-12-01" in cost.items[1].note
     other = DeploySettings.model_validate({"gateway": {"region": "eu-west-1"}})
-    elsewhere = gateway_cost(dev_fleet(), other, prices)
+    elsewhere = gateway_cost(dev_fleet().regions, other, prices)
     assert elsewhere is not None
     assert elsewhere.usd_per_hour == pytest.approx(0.01)  # the VM is not priced there
     assert [i.name for i in elsewhere.unpriced] == ["c7i.large VM"]
     off = DeploySettings.model_validate({"gateway": {"enabled": False}})
-    assert gateway_cost(dev_fleet(), off, prices) is None
+    assert gateway_cost(dev_fleet().regions, off, prices) is None
 
 
 def test_price_file_rejects_a_price_without_its_source(tmp_path):
@@ -151,18 +151,20 @@ def test_price_file_rejects_a_price_without_its_source(tmp_path):
 
 
 def test_budget_for_the_allocation_leaves_out_the_gateway():
-    cost = gateway_cost(dev_fleet(), DeploySettings(), GatewayPrices.model_validate(PRICED))
-    fleet = fleet_for_allocation(dev_fleet(), cost)
-    assert fleet.allocation.budget_usd_per_hour == pytest.approx(10 - 0.27)
-    unbudgeted = dev_fleet(allocation={})
-    assert fleet_for_allocation(unbudgeted, cost) is unbudgeted
+    cost = gateway_cost(dev_fleet().regions, DeploySettings(), GatewayPrices.model_validate(PRICED))
+    allocation = allocation_after_gateway(dev_fleet().allocation, cost)
+    assert allocation.budget_usd_per_hour == pytest.approx(10 - 0.27)
+    unbudgeted = dev_fleet(allocation={}).allocation
+    assert allocation_after_gateway(unbudgeted, cost) is unbudgeted
     with pytest.raises(InputError, match=r"budget_usd_per_hour.*does not cover the gateway"):
-        fleet_for_allocation(dev_fleet(allocation={"budget_usd_per_hour": 0.2}), cost)
+        allocation_after_gateway(
+            dev_fleet(allocation={"budget_usd_per_hour": 0.2}).allocation, cost
+        )
 
 
 def test_cost_diff_has_a_gateway_line_in_its_total(preview):
     plan: Plan = preview("dev", REPO / "stacks").plan
-    cost = gateway_cost(dev_fleet(), DeploySettings(), GatewayPrices.model_validate(PRICED))
+    cost = gateway_cost(dev_fleet().regions, DeploySettings(), GatewayPrices.model_validate(PRICED))
     text = cost_diff_table(None, plan, None, cost)
     assert f"Coral plan: {plan.hourly_cost_usd + 0.27:,.2f} $/hour" in text
     gateway_row = next(line for line in text.splitlines() if "gateway" in line and "│" in line)
@@ -170,7 +172,7 @@ def test_cost_diff_has_a_gateway_line_in_its_total(preview):
     again = cost_diff_table(plan, plan, None, cost)  # a running stack: no change
     assert "(+0.00)" in again
     elsewhere = DeploySettings.model_validate({"gateway": {"region": "eu-west-1"}})
-    unpriced = gateway_cost(dev_fleet(), elsewhere, load_gateway_prices())
+    unpriced = gateway_cost(dev_fleet().regions, elsewhere, load_gateway_prices())
     assert unpriced is not None
     text = cost_diff_table(None, plan, None, unpriced)
     total = plan.hourly_cost_usd + unpriced.usd_per_hour  # the address alone
@@ -205,7 +207,7 @@ def test_program_counts_the_gateway_in_cost_and_budget(tmp_path, preview, monkey
     with pytest.raises(pulumi.RunError, match="exceeds the budget"):
         preview("tight", tight)
     monkeypatch.setattr(gc, "PRICES", REPO / "coral_iac" / "data" / "gateway_prices.yaml")
-    committed = gateway_cost(dev_fleet(), DeploySettings(), load_gateway_prices())
+    committed = gateway_cost(dev_fleet().regions, DeploySettings(), load_gateway_prices())
     assert committed is not None and not committed.unpriced
     kept = preview("tight", tight).outputs
     assert kept["hourly_cost_usd"] == pytest.approx(nodes + committed.usd_per_hour)

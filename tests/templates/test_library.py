@@ -130,7 +130,9 @@ def test_remeasured_table_with_the_same_key_makes_the_library_stale(perf, tmp_pa
     # Re-measured: one value changes, the file name (the table's key) does not.
     _write_table(measured, name, [*points[:-1], (points[-1][0], points[-1][1] * 1.5)])
     with pytest.raises(CoralError, match="perf_model"):
-        load_library(libs, load_perf_model(measured), fleet.library_scope(), "gpt-oss-20b", "prefill")
+        load_library(
+            libs, load_perf_model(measured), fleet.library_scope(), "gpt-oss-20b", "prefill"
+        )
 
 
 def test_format_2_is_a_checked_header_then_columns_and_loads_what_was_saved(perf, tmp_path):
@@ -210,7 +212,9 @@ def test_without_mixing_every_template_has_one_gpu_type_and_costs_no_less():
     from tests.allocation_helpers import perf as small_perf
 
     unmixed = fleet(library=SMALL_FLEET["library"] | {"mixing": False})
-    built = build_libraries(small_perf(), unmixed.library_scope(), list(stack_demand(unmixed.models)))  # type: ignore[arg-type]
+    built = build_libraries(
+        small_perf(), unmixed.library_scope(), list(stack_demand(unmixed.models))
+    )  # type: ignore[arg-type]
     libs = {(lib.model, lib.phase): lib for lib in built}
     catalog = small_perf().catalog
     gpus = [{catalog.node(n).gpu_id for n in t.nodes} for lib in built for t in lib.templates]
@@ -224,7 +228,9 @@ def test_without_mixing_every_template_has_one_gpu_type_and_costs_no_less():
     assert one_type.hourly_cost_usd >= both.hourly_cost_usd - 1e-6
     # A library built with mixing is stale for a stack without it, and the other way round.
     model = next(iter(unmixed.models))
-    hashes = [input_hashes(small_perf(), f.library_scope(), model, "decode") for f in (unmixed, fleet())]
+    hashes = [
+        input_hashes(small_perf(), f.library_scope(), model, "decode") for f in (unmixed, fleet())
+    ]
     assert hashes[0]["mixing"] and "mixing" not in hashes[1]
 
 

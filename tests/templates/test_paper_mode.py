@@ -191,9 +191,13 @@ def test_an_unpaired_plan_names_the_setting_that_pairs_it():
     fleet = paper_fleet(library={"mode": "vllm"}, allocation={"colocate_phases": False})
     plan = stub_plan([])
     plan.unpaired = lambda: [("phi-4", "aws", "us-east-2", ["prefill"])]
-    (line,) = deploy_problems(plan, fleet, load_catalog())  # type: ignore[arg-type]
+    (line,) = deploy_problems(
+        plan, load_catalog(), fleet.library, fleet.allocation, fleet.attainment
+    )
     assert "phi-4 has only prefill instances in aws:us-east-2" in line
     assert "colocate_phases: true" in line
     paired = paper_fleet(library={"mode": "vllm"}, allocation={"colocate_phases": True})
-    (line,) = deploy_problems(plan, paired, load_catalog())  # type: ignore[arg-type]
+    (line,) = deploy_problems(
+        plan, load_catalog(), paired.library, paired.allocation, paired.attainment
+    )
     assert "colocate_phases" not in line
