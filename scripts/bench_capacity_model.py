@@ -36,7 +36,7 @@ def main(
     factors = {}
     for n in (1, workers):
         start = time.perf_counter()
-        factors[n] = base_factors(fleet, perf, libs, ROOT, None, workers=n)
+        factors[n] = base_factors(fleet.models, perf, libs, ROOT, None, workers=n)
         seconds = time.perf_counter() - start
         print(f"{stack}: {len(factors[n]):,} templates, workers {n}: {seconds:.1f} s")
     print("same factors:", factors[1] == factors[workers])

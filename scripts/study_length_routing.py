@@ -196,7 +196,7 @@ def one_pool_met(
     from solver.plan.attainment import simulate_workload
 
     minutes = fleet.attainment.verify_minutes
-    sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, root)
+    sim = simulate_workload(plan, fleet.models, perf, "verify", minutes * 60, root)
     assert sim is not None, "the one pool serves nothing"
     r = next(iter(sim.models.values()))
     idx = trace_window(full.arrival_s, "verify")[0][: len(r.met)]

@@ -516,6 +516,16 @@ class LibraryScope:
     market: MarketScope
 
 
+@dataclass(frozen=True)
+class AttainmentScope:
+    """What the closed loop and its verification read of a stack
+    (`FleetConfig.attainment_scope`): the models' specs by name (SLOs, targets, workloads)
+    and the attainment settings (rounds, simulated minutes)."""
+
+    models: Mapping[str, ModelSpec]
+    attainment: AttainmentSettings
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -556,6 +566,10 @@ class FleetConfig(BaseModel):
     def library_scope(self) -> LibraryScope:
         """The part of this fleet the template library stage reads."""
         return LibraryScope(self.models, self.library, self.market_scope())
+
+    def attainment_scope(self) -> AttainmentScope:
+        """The part of this fleet the closed loop and the verification read."""
+        return AttainmentScope(self.models, self.attainment)
 
     def with_mode(self, mode: str) -> FleetConfig:
         """This fleet with another library mode (e.g. from a `--mode` option).

@@ -104,7 +104,12 @@ def bench_row(
 
     plan = plan_to_targets(name, fleet, perf, libs, method=method, root=stacks_dir().parent)  # type: ignore[arg-type]
     sim = simulate_workload(
-        plan, fleet, perf, "verify", fleet.attainment.verify_minutes * 60, stacks_dir().parent
+        plan,
+        fleet.models,
+        perf,
+        "verify",
+        fleet.attainment.verify_minutes * 60,
+        stacks_dir().parent,
     )
     summary: dict[str, Any] = sim.summary() if sim is not None else {}
     return {

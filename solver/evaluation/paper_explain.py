@@ -92,7 +92,12 @@ def tighten(
         return plan_stack(name, fleet, perf.catalog, p.libs, None, method, factors)
 
     loop = ClosedLoopRound(
-        fleet, perf, base_factors(fleet, perf, p.libs, root, cache), solve, root, None
+        fleet.attainment_scope(),
+        perf,
+        base_factors(fleet.models, perf, p.libs, root, cache),
+        solve,
+        root,
+        None,
     )
     head = headroom_of(p.plan, p.libs)
     plan, planned, _ = loop.run(head)
@@ -117,7 +122,7 @@ def tighten(
                 if not better(new, att):
                     break
                 head, plan, planned = trial, new, att
-    return verify_plan(plan, fleet, perf, planned, head, root), trials
+    return verify_plan(plan, fleet.attainment_scope(), perf, planned, head, root), trials
 
 
 def headroom_of(plan: Plan, libs: dict[Job, Any]) -> dict[Job, float]:
@@ -143,9 +148,9 @@ def at_headroom(
     phase), verified: whether Coral serving less than a baseline comes from the loop's end state
     rather than from its columns (Coral's columns include the baseline's)."""
     head = headroom_of(other, p.libs)
-    factors = scaled_factors(base_factors(fleet, perf, p.libs, root, cache), head)
+    factors = scaled_factors(base_factors(fleet.models, perf, p.libs, root, cache), head)
     plan = plan_stack(name, fleet, perf.catalog, p.libs, None, "coral", factors)
-    return verify_plan(plan, fleet, perf, {}, head, root)
+    return verify_plan(plan, fleet.attainment_scope(), perf, {}, head, root)
 
 
 # ---------------------------------------------------------------- 3. budget probe
@@ -254,7 +259,11 @@ def full_batch_row(plan: Plan, fleet: FleetConfig, perf: PerfModel, root: Path) 
     """The plan at library T̂: its cost, and each model's attainment when simulated on the
     verification window (the simulator's verdict on the paper's capacity model)."""
     minutes = fleet.attainment.verify_minutes
-    sim = simulate_workload(plan, fleet, perf, "verify", minutes * 60, root) if minutes else None
+    sim = (
+        simulate_workload(plan, fleet.models, perf, "verify", minutes * 60, root)
+        if minutes
+        else None
+    )
     verified = {
         m: float(r.met.mean()) for m, r in (sim.models if sim else {}).items() if len(r.met)
     }

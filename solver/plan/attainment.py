@@ -21,7 +21,7 @@ from __future__ import annotations
 import hashlib
 import io
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -52,7 +52,7 @@ from solver.simulation.workload import (
     request_rate,
     trace_of,
 )
-from solver.stack import FleetConfig, ModelSpec
+from solver.stack import AttainmentScope, ModelSpec
 from solver.types import Job
 
 MARGIN = 0.02  # the closed loop aims this far above each target (seed-to-seed noise)
@@ -67,7 +67,7 @@ PlanFn = Callable[[dict[str, float]], Plan]
 
 
 def base_factors(
-    fleet: FleetConfig,
+    models: Mapping[str, ModelSpec],
     perf: PerfModel,
     libs: dict[Job, Library],
     root: Path | None = None,
@@ -86,7 +86,7 @@ def base_factors(
     finish.
     """
     jobs: list[_CapacityJob] = []
-    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+    for i, (model, spec) in enumerate(sorted(models.items())):
         workload = planning_workload(spec, i, root)
         jobs += [
             _CapacityJob(lib, spec, workload, _cache_path(cache, lib, spec, workload))
@@ -250,7 +250,7 @@ def _reachable_factors(
 
 
 def plan_to_target(
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     perf: PerfModel,
     libs: dict[Job, Library],
     solve: PlanFn,
@@ -265,21 +265,21 @@ def plan_to_target(
     factors, when the caller has them already; `simulations`: results to reuse (shared with
     the caller's other closed loops)."""
     if base is None:
-        base = base_factors(fleet, perf, libs, root, cache)
-    loop = ClosedLoopRound(fleet, perf, base, solve, root, progress, simulations)
+        base = base_factors(scope.models, perf, libs, root, cache)
+    loop = ClosedLoopRound(scope, perf, base, solve, root, progress, simulations)
     headroom = {job: 1.0 for job in libs}
-    rounds = fleet.attainment.rounds
+    rounds = scope.attainment.rounds
     plan, planned, sims = loop.run(headroom, simulate_it=rounds > 0)
     best = (plan, planned, dict(headroom))
     plan_round = best_round = loop.count - 1  # the rounds `plan` and `best` are (-1: none ran)
     stop = _initial_stop(plan, rounds)
-    out_of_rounds = f"out of rounds (attainment.rounds = {fleet.attainment.rounds})"
+    out_of_rounds = f"out of rounds (attainment.rounds = {scope.attainment.rounds})"
     while not stop and (short := loop.short(planned)):
         if rounds == 0:
             stop = out_of_rounds
             break
         rounds -= 1
-        cut = _cut_that_changes(plan, headroom, short, sims, fleet, loop)
+        cut = _cut_that_changes(plan, headroom, short, sims, scope, loop)
         if cut is None:
             names = ", ".join(sorted(short))
             stop = (
@@ -290,12 +290,12 @@ def plan_to_target(
         headroom, cut_plan = cut
         plan, planned, sims = loop.run(headroom, cut_plan)
         plan_round = loop.count - 1
-        if _closer(plan, planned, best, fleet):
+        if _closer(plan, planned, best, scope):
             best, best_round = (plan, planned, dict(headroom)), plan_round
         if not plan.instances:
             stop = "a round served nothing"
     if not plan.instances or loop.short(planned):  # the round closest to every target
-        if _closer(best[0], best[1], (plan, planned, headroom), fleet):
+        if _closer(best[0], best[1], (plan, planned, headroom), scope):
             plan, planned, headroom = best[0], best[1], dict(best[2])
             plan_round = best_round
     kept: set[str] = set()  # models whose last give-back put a model below target
@@ -303,7 +303,7 @@ def plan_to_target(
         if rounds == 0:
             stop = out_of_rounds
             break
-        given = _give_back_that_changes(plan, headroom, planned, fleet, loop, kept)
+        given = _give_back_that_changes(plan, headroom, planned, scope, loop, kept)
         if given is None:
             stop = "every model meets its target, and giving capacity back to any model " + (
                 "changed no instance or put one below its target" if kept else "changed no instance"
@@ -324,7 +324,7 @@ def plan_to_target(
         plan_round = loop.count - 1
     if loop.progress and stop:
         loop.progress(_stop_line(loop.count - 1, plan_round, plan, stop))
-    return verify_plan(plan, fleet, perf, planned, headroom, root, stop, loop.progress, loop.sims)
+    return verify_plan(plan, scope, perf, planned, headroom, root, stop, loop.progress, loop.sims)
 
 
 def _stop_line(last: int, kept: int, plan: Plan, stop: str) -> str:
@@ -357,7 +357,7 @@ def _cut_that_changes(
     headroom: dict[Job, float],
     short: dict[str, float],
     sims: dict[str, ModelResult],
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     loop: ClosedLoopRound,
 ) -> tuple[dict[Job, float], Plan] | None:
     """The first of ever deeper capacity cuts for the short models whose plan differs from
@@ -371,7 +371,7 @@ def _cut_that_changes(
     while any(trial[job] >= MIN_HEADROOM for job in jobs):
         boost = BOOSTS[min(tries, len(BOOSTS) - 1)]
         for model, gap in short.items():
-            _raise_headroom(trial, model, gap, sims[model], fleet, boost)
+            _raise_headroom(trial, model, gap, sims[model], scope, boost)
         tries += 1
         candidate = loop.solve(scaled_factors(loop.base, trial))
         if _fleet_keys(candidate) != before:
@@ -383,7 +383,7 @@ def _give_back_that_changes(
     plan: Plan,
     headroom: dict[Job, float],
     planned: dict[str, float],
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     loop: ClosedLoopRound,
     kept: set[str],
 ) -> tuple[dict[Job, float], Plan, str] | None:
@@ -392,12 +392,12 @@ def _give_back_that_changes(
     instance: that headroom, plan and model; None when no model's give-back changes the plan.
     One model at a time, so one model's give-back that misses does not cost the others'."""
     before = _fleet_keys(plan)
-    targets = {m: fleet.models[m].slo_attainment for m in planned}
+    targets = {m: scope.models[m].slo_attainment for m in planned}
     for model in sorted(planned, key=lambda m: targets[m] - planned[m]):
         if model in kept:
             continue
         trial = headroom
-        while (more := _relaxed(trial, planned, fleet, only=model)) is not None:
+        while (more := _relaxed(trial, planned, scope, only=model)) is not None:
             trial = more
             candidate = loop.solve(scaled_factors(loop.base, trial))
             if _fleet_keys(candidate) != before:
@@ -409,13 +409,13 @@ def _closer(
     plan: Plan,
     planned: dict[str, float],
     best: tuple[Plan, dict[str, float], dict[Job, float]],
-    fleet: FleetConfig,
+    scope: AttainmentScope,
 ) -> bool:
     """Whether this round is closer to every target than `best`: it serves something where
     best served nothing, or its worst shortfall (target - attainment, over models) is smaller."""
 
     def worst(p: Plan, att: dict[str, float]) -> tuple[bool, float]:
-        gaps = [fleet.models[m].slo_attainment - a for m, a in att.items()]
+        gaps = [scope.models[m].slo_attainment - a for m, a in att.items()]
         return (sum(p.served_fractions.values()) > 0, -max(gaps, default=0.0))
 
     return worst(plan, planned) > worst(best[0], best[1])
@@ -426,7 +426,7 @@ class ClosedLoopRound:
 
     def __init__(
         self,
-        fleet: FleetConfig,
+        scope: AttainmentScope,
         perf: PerfModel,
         base: dict[str, float],
         solve: PlanFn,
@@ -434,7 +434,7 @@ class ClosedLoopRound:
         progress: Callable[[str], None] | None,
         sims: Simulations | None = None,
     ) -> None:
-        self.fleet, self.perf, self.base, self.solve = fleet, perf, base, solve
+        self.scope, self.perf, self.base, self.solve = scope, perf, base, solve
         self.root, self.progress, self.count = root, progress, 0
         # A round re-simulates only the models whose instances (or served fraction) changed.
         self.sims = sims if sims is not None else Simulations(perf, root)
@@ -446,9 +446,9 @@ class ClosedLoopRound:
         plan = plan or self.solve(scaled_factors(self.base, headroom))
         if not simulate_it or not plan.instances:
             return plan, {}, {}
-        minutes = self.fleet.attainment.planning_minutes
+        minutes = self.scope.attainment.planning_minutes
         with timing.phase("closed-loop simulation"):
-            sims = self.sims.run(plan, self.fleet, "plan", minutes * 60)
+            sims = self.sims.run(plan, self.scope.models, "plan", minutes * 60)
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
         if self.progress:
             line = ", ".join(f"{m} {100 * a:.1f}%" for m, a in sorted(planned.items()))
@@ -458,7 +458,7 @@ class ClosedLoopRound:
 
     def short(self, planned: dict[str, float]) -> dict[str, float]:
         """Model -> points below its target plus MARGIN, for the models below it."""
-        want = {m: self.fleet.models[m].slo_attainment + MARGIN for m in planned}
+        want = {m: self.scope.models[m].slo_attainment + MARGIN for m in planned}
         return {m: want[m] - a for m, a in planned.items() if a < want[m]}
 
 
@@ -474,7 +474,7 @@ def _fleet_keys(plan: Plan) -> dict[str, tuple[object, ...]]:
 def _relaxed(
     headroom: dict[Job, float],
     planned: dict[str, float],
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     only: str | None = None,
 ) -> dict[Job, float] | None:
     """Headroom given back to the models well above target (`only` that one; None: nothing to
@@ -486,7 +486,7 @@ def _relaxed(
     for (model, phase), k in headroom.items():
         if only is not None and model != only:
             continue
-        surplus = planned.get(model, 0.0) - fleet.models[model].slo_attainment - MARGIN
+        surplus = planned.get(model, 0.0) - scope.models[model].slo_attainment - MARGIN
         if k < MAX_HEADROOM and surplus > RELAX_SURPLUS:
             trial[(model, phase)] = min(MAX_HEADROOM, k * (1.0 + min(0.25, 2.0 * surplus)))
     return trial if trial != headroom else None
@@ -507,12 +507,12 @@ def _raise_headroom(
     model: str,
     gap: float,
     result: ModelResult,
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     boost: float = 1.0,
 ) -> None:
     """Lower the capacity of the phase(s) a short model's misses come from (at least
     MIN_STEP x `boost`: whole instances can absorb a small cut unchanged)."""
-    spec = fleet.models[model]
+    spec = scope.models[model]
     jobs = [job for job in headroom if job[0] == model]
     if spec.serving == "aggregated" or result.prefill_done_s is None:
         shares = {job: 1.0 for job in jobs}
@@ -531,18 +531,22 @@ def _raise_headroom(
 
 
 def _traces(
-    fleet: FleetConfig, purpose: Purpose, duration_s: float, plan: Plan, root: Path | None
+    models: Mapping[str, ModelSpec],
+    purpose: Purpose,
+    duration_s: float,
+    plan: Plan,
+    root: Path | None,
 ) -> tuple[dict[str, Trace], float]:
     """Every served model's requests (at the fraction of its demand the plan serves), over a
     window long enough for MIN_REQUESTS of the slowest model; returns the traces and the
     window's length."""
-    scale = {m: plan.fraction_of(m) for m in fleet.models}
-    rates = [request_rate(s) * scale[m] for m, s in fleet.models.items()]
+    scale = {m: plan.fraction_of(m) for m in models}
+    rates = [request_rate(s) * scale[m] for m, s in models.items()]
     if any(r > 0 for r in rates):
         slowest = min(r for r in rates if r > 0)
         duration_s = min(max(duration_s, MIN_REQUESTS / slowest), 4 * 3_600.0)
     traces = {}
-    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+    for i, (model, spec) in enumerate(sorted(models.items())):
         if request_rate(spec) * scale[model] <= 0:
             continue
         traces[model] = model_trace(spec, i, purpose, duration_s, root, scale[model])
@@ -551,7 +555,7 @@ def _traces(
 
 def simulate_workload(
     plan: Plan,
-    fleet: FleetConfig,
+    specs: Mapping[str, ModelSpec],
     perf: PerfModel,
     purpose: Purpose,
     duration_s: float,
@@ -560,11 +564,11 @@ def simulate_workload(
 ) -> SimResult | None:
     """The plan simulated on its stack's planning or verification workload, at the demand it
     serves, for at least `duration_s` (longer when a model's rate needs it for MIN_REQUESTS);
-    only `models` when given; None when it serves nothing."""
-    traces, duration_s = _traces(fleet, purpose, duration_s, plan, root)
+    only `models` when given (`specs`: the stack's models by name); None when it serves nothing."""
+    traces, duration_s = _traces(specs, purpose, duration_s, plan, root)
     served = {i.model for i in plan.instances if models is None or i.model in models}
     traces = {m: t for m, t in traces.items() if m in served}
-    return simulate(plan, fleet.models, perf, traces, duration_s) if traces else None
+    return simulate(plan, specs, perf, traces, duration_s) if traces else None
 
 
 class Simulations:
@@ -584,25 +588,25 @@ class Simulations:
     def run(
         self,
         plan: Plan,
-        fleet: FleetConfig,
+        specs: Mapping[str, ModelSpec],
         purpose: Purpose,
         duration_s: float,
         models: set[str] | None = None,
     ) -> dict[str, ModelResult]:
         """`plan` simulated on its stack's `purpose` workload for at least `duration_s`
         (`simulate_workload`), per served model (of `models` when given), reusing results."""
-        traces, duration_s = _traces(fleet, purpose, duration_s, plan, self.root)
+        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root)
         templates: dict[str, list[str]] = {}
         for i in plan.instances:
             templates.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
-        order = {m: k for k, m in enumerate(sorted(fleet.models))}
+        order = {m: k for k, m in enumerate(sorted(specs))}
         keys = {
             m: (
                 purpose,
                 duration_s,
                 m,
                 order[m],
-                fleet.models[m].model_dump_json(),
+                specs[m].model_dump_json(),
                 plan.fraction_of(m),
                 *sorted(t),
             )
@@ -611,7 +615,7 @@ class Simulations:
         }
         todo = {m: traces[m] for m, k in keys.items() if k not in self._results}
         if todo:
-            fresh = simulate(plan, fleet.models, self.perf, todo, duration_s).models
+            fresh = simulate(plan, specs, self.perf, todo, duration_s).models
             self._results.update({keys[m]: r for m, r in fresh.items()})
         return {m: self._results[k] for m, k in keys.items()}
 
@@ -634,7 +638,7 @@ REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at fou
 
 def verify_plan(
     plan: Plan,
-    fleet: FleetConfig,
+    scope: AttainmentScope,
     perf: PerfModel,
     planned: dict[str, float],
     headroom: dict[Job, float],
@@ -644,22 +648,24 @@ def verify_plan(
     sims: Simulations | None = None,
 ) -> Plan:
     sims = sims if sims is not None else Simulations(perf, root)
-    minutes = fleet.attainment.verify_minutes
+    minutes = scope.attainment.verify_minutes
     # Trace-backed models are also replayed on their whole trace: a verification window that
     # the hour as a whole contradicts is said, not hidden (`ModelAttainment.replay_gap`).
-    traced = {m for m, spec in fleet.models.items() if trace_of(spec) is not None}
+    traced = {m for m, spec in scope.models.items() if trace_of(spec) is not None}
     if progress and minutes > 0:
         whole_trace = f", and {', '.join(sorted(traced))} on the whole trace" if traced else ""
         progress(
             f"verifying the plan on {minutes:g} min of traffic it was not planned on{whole_trace}"
         )
     with timing.phase("verification"):
-        sim = sims.run(plan, fleet, "verify", minutes * 60) if minutes > 0 else {}
+        sim = sims.run(plan, scope.models, "verify", minutes * 60) if minutes > 0 else {}
         whole = (
-            sims.run(plan, fleet, "replay", REPLAY_MAX_S, traced) if minutes > 0 and traced else {}
+            sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced)
+            if minutes > 0 and traced
+            else {}
         )
     rows = []
-    for model, spec in sorted(fleet.models.items()):
+    for model, spec in sorted(scope.models.items()):
         r = sim.get(model)
         verified = (float(r.met.mean()) if len(r.met) else 1.0) if r is not None else None
         w = whole.get(model)

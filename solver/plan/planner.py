@@ -316,7 +316,7 @@ def plan_to_targets(
         count = sum(len(lib.templates) for lib in libs.values())
         on_round(f"capacity model: the SLO capacity of {count:,} templates")
     with timing.phase("capacity model"):  # once, for every search
-        base = base_factors(fleet, perf, libs, root, cache, workers, _tenths(on_round))
+        base = base_factors(fleet.models, perf, libs, root, cache, workers, _tenths(on_round))
     sims = simulations if simulations is not None else Simulations(perf, root)
     searches = _Searches(stack, fleet, perf, libs, previous, root, base, sims)
     # The closed loop is a search over whole instances, and its path depends on where it
@@ -398,7 +398,7 @@ class _Searches:
             return plan
 
         return plan_to_target(
-            self.fleet,
+            self.fleet.attainment_scope(),
             self.perf,
             self.libs,
             solve,

@@ -239,14 +239,18 @@ def test_a_cut_that_whole_instances_absorb_compounds_until_the_plan_changes():
 
     sims = {"phi-4": SimpleNamespace(prefill_done_s=None)}
     loop = loop_adding_below(0.3)
-    cut = attainment._cut_that_changes(plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f, loop)
+    cut = attainment._cut_that_changes(
+        plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f.attainment_scope(), loop
+    )
     assert cut is not None
     headroom, plan = cut
     assert headroom[job] < 0.3 <= loop.solved[-2] and len(plan.instances) == 2
     assert loop.solved == sorted(loop.solved, reverse=True)  # every try cuts deeper
     never = loop_adding_below(0.0)
     assert (
-        attainment._cut_that_changes(plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f, never)
+        attainment._cut_that_changes(
+            plan_with(1), {job: 1.0}, {"phi-4": 0.01}, sims, f.attainment_scope(), never
+        )
         is None
     )
     assert min(never.solved) < attainment.MIN_HEADROOM
@@ -279,17 +283,21 @@ def test_capacity_is_given_back_one_model_at_a_time():
     loop = SimpleNamespace(
         base={"phi-4/decode/l4x1": 0.45, "gpt-oss-20b/decode/l4x1": 0.45}, solve=solve
     )
-    given = attainment._give_back_that_changes(plan_with(2), headroom, planned, f, loop, set())
+    given = attainment._give_back_that_changes(
+        plan_with(2), headroom, planned, f.attainment_scope(), loop, set()
+    )
     assert given is not None
     more, plan, model = given
     assert model == "phi-4" and more[("phi-4", "decode")] > 1.0
     assert more[("gpt-oss-20b", "decode")] == 1.0 and len(plan.instances) == 1
-    given = attainment._give_back_that_changes(plan_with(2), headroom, planned, f, loop, {"phi-4"})
+    given = attainment._give_back_that_changes(
+        plan_with(2), headroom, planned, f.attainment_scope(), loop, {"phi-4"}
+    )
     assert given is not None and given[2] == "gpt-oss-20b"
     assert given[0][("phi-4", "decode")] == 1.0
     assert (
         attainment._give_back_that_changes(
-            plan_with(2), headroom, planned, f, loop, {"phi-4", "gpt-oss-20b"}
+            plan_with(2), headroom, planned, f.attainment_scope(), loop, {"phi-4", "gpt-oss-20b"}
         )
         is None
     )
@@ -370,23 +378,23 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     calls: list[tuple[str, float]] = []
     real = attainment.simulate
 
-    def counting(plan_, fleet_, perf_, traces, duration_s):
+    def counting(plan_, models_, perf_, traces, duration_s):
         calls.extend((m, duration_s) for m in traces)
-        return real(plan_, fleet_, perf_, traces, duration_s)
+        return real(plan_, models_, perf_, traces, duration_s)
 
     monkeypatch.setattr(attainment, "simulate", counting)
     sims = attainment.Simulations(perf, REPO)
-    first = sims.run(plan, fleet, "verify", 1_800)
-    assert sims.run(plan, fleet, "verify", 1_800)["phi-4"] is first["phi-4"]
+    first = sims.run(plan, fleet.models, "verify", 1_800)
+    assert sims.run(plan, fleet.models, "verify", 1_800)["phi-4"] is first["phi-4"]
     assert len(calls) == 1  # the second run reused the first
-    sims.run(plan, fleet, "plan", 1_800)  # another workload
+    sims.run(plan, fleet.models, "plan", 1_800)  # another workload
     half = plan.model_copy(update={"served_fractions": {"phi-4": 0.5}, "served_fraction": 0.5})
-    sims.run(half, fleet, "verify", 1_800)  # half the demand
+    sims.run(half, fleet.models, "verify", 1_800)  # half the demand
     fewer = plan.model_copy(update={"instances": plan.instances[:-1]})
-    sims.run(fewer, fleet, "verify", 1_800)  # one instance less
+    sims.run(fewer, fleet.models, "verify", 1_800)  # one instance less
     assert len(calls) == 4
-    traces, window = attainment._traces(fleet, "verify", 1_800, plan, REPO)
-    fresh = real(plan, fleet, perf, traces, window)
+    traces, window = attainment._traces(fleet.models, "verify", 1_800, plan, REPO)
+    fresh = real(plan, fleet.models, perf, traces, window)
     assert np.array_equal(fresh.models["phi-4"].met, first["phi-4"].met)
 
 
@@ -397,14 +405,14 @@ def test_the_capacity_model_in_worker_processes_gives_the_same_factors(monkeypat
     from tests.allocation_helpers import perf as small_perf
 
     small, libs, model = fleet(), libraries(), small_perf()
-    serial = attainment.base_factors(small, model, libs, REPO)
+    serial = attainment.base_factors(small.models, model, libs, REPO)
     monkeypatch.setattr(attainment, "PARALLEL_TEMPLATES", 0)
     monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
     assert max(len(lib.templates) for lib in libs.values()) > 7  # more than one chunk
-    parallel = attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2)
+    parallel = attainment.base_factors(small.models, model, libs, REPO, tmp_path, workers=2)
     assert parallel == serial
     monkeypatch.setattr(attainment, "_compute", lambda *_: pytest.fail("not read from the cache"))
-    assert attainment.base_factors(small, model, libs, REPO, tmp_path, workers=2) == serial
+    assert attainment.base_factors(small.models, model, libs, REPO, tmp_path, workers=2) == serial
 
 
 @pytest.mark.parametrize("workers", [1, 2])
@@ -427,15 +435,17 @@ def test_the_capacity_model_reports_progress_and_keeps_the_jobs_it_finished(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        attainment.base_factors(small, model, libs, REPO, tmp_path, workers, stop_after_first_job)
+        attainment.base_factors(
+            small.models, model, libs, REPO, tmp_path, workers, stop_after_first_job
+        )
     assert len(list((tmp_path / "capacity").glob("*.npy"))) == 1
     seen: list[tuple[int, int]] = []
     factors = attainment.base_factors(
-        small, model, libs, REPO, tmp_path, workers, lambda d, t: seen.append((d, t))
+        small.models, model, libs, REPO, tmp_path, workers, lambda d, t: seen.append((d, t))
     )
     assert seen[-1] == (total - first_job, total - first_job)  # the first job came from cache
     assert [d for d, _ in seen] == sorted(d for d, _ in seen)
-    assert factors == attainment.base_factors(small, model, libs, REPO)
+    assert factors == attainment.base_factors(small.models, model, libs, REPO)
 
 
 def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(monkeypatch):
@@ -450,7 +460,7 @@ def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(mon
     for spec in models.values():
         spec["slo_ms"]["prefill"] *= 0.3
     tight, libs, model = fleet(models=models), libraries(), small_perf()
-    serial = attainment.base_factors(tight, model, libs, REPO)
+    serial = attainment.base_factors(tight.models, model, libs, REPO)
     went_below: list[str] = []
     reachable = attainment._reachable_factors
 
@@ -461,7 +471,7 @@ def test_worker_processes_go_below_an_unreachable_target_as_one_process_does(mon
     monkeypatch.setattr(attainment, "_reachable_factors", spy)
     monkeypatch.setattr(attainment, "PARALLEL_TEMPLATES", 0)
     monkeypatch.setattr(attainment, "CHUNK_TEMPLATES", 7)
-    assert attainment.base_factors(tight, model, libs, REPO, workers=2) == serial
+    assert attainment.base_factors(tight.models, model, libs, REPO, workers=2) == serial
     assert went_below  # the fallback ran
 
 

@@ -257,8 +257,8 @@ def test_an_interrupted_build_resumes_from_the_libraries_it_finished(perf, tmp_p
     monkeypatch.setattr(
         planner,
         "build_libraries",
-        lambda perf_, fleet_, todo, *a, **k: (
-            built.extend(todo) or real(perf_, fleet_, todo, *a, **k)
+        lambda perf_, scope_, todo, *a, **k: (
+            built.extend(todo) or real(perf_, scope_, todo, *a, **k)
         ),
     )
     libs = planner.libraries_for(perf, fleet, jobs, tmp_path, workers=1)
