@@ -25,12 +25,12 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from solver.allocation.problem import Column, Solution, priority_tiers, scaled_demand
 from solver.catalog.market import Market, RegionId, region_name
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, ModelSpec
 from solver.types import Job, per_model
 
 EPS = 1e-9
@@ -49,13 +49,18 @@ def cauchy_columns(columns: list[Column]) -> list[Column]:
 
 
 def homo_solution(
-    fleet: FleetConfig, market: Market, demand: dict[Job, float], columns: list[Column]
+    models: Mapping[str, ModelSpec],
+    allocation: AllocationSettings,
+    market: Market,
+    demand: dict[Job, float],
+    columns: list[Column],
 ) -> Solution:
     """Greedy Homo allocation (see module doc) at the largest fractions of each model's demand
     it can fully serve within the budget, chosen by Coral's rule (`scale_fairly`).
 
     Args:
-        fleet: the stack (model order and priorities, `allocation.colocate_phases`, the budget).
+        models: the stack's models (their order and priorities).
+        allocation: the stack's allocation settings (`colocate_phases`, the budget).
         market: prices, availability and GPU pools.
         demand: capacity to buy per (model, phase), at a served fraction of 1.
         columns: every (template, region) column; Homo uses the homogeneous ones.
@@ -64,18 +69,18 @@ def homo_solution(
         Instance counts per column, the served fraction per model (floored to 0.01%, never
         above what the counts serve) and, when one is below 1, the binding constraints in words.
     """
-    budget = fleet.allocation.budget_usd_per_hour
-    full = _homo_greedy(fleet, market, demand, columns)
+    budget = allocation.budget_usd_per_hour
+    full = _homo_greedy(models, allocation, market, demand, columns)
     if full.fraction >= 1 and _within(full, columns, budget):
         return full
     # Under a budget the greedy spends it as it buys, like availability: a config whose next
     # instance the budget cannot pay for gives way to the next one (a pair of the most
     # efficient config may cost more than the whole budget where a cheaper config fits).
     fractions, best = scale_fairly(
-        lambda d: _homo_greedy(fleet, market, d, columns, budget),
+        lambda d: _homo_greedy(models, allocation, market, d, columns, budget),
         demand,
         lambda s: s.fraction >= 1 and _within(s, columns, budget),
-        priorities(fleet),
+        priorities(models),
     )
     if min(fractions.values(), default=1.0) >= 1:  # a cheaper config serves it all in budget
         return best
@@ -89,9 +94,9 @@ def homo_solution(
     return Solution(best.counts, fractions, None, binding)
 
 
-def priorities(fleet: FleetConfig) -> dict[str, int]:
-    """Each model's `priority` in the stack."""
-    return {m: spec.priority for m, spec in fleet.models.items()}
+def priorities(models: Mapping[str, ModelSpec]) -> dict[str, int]:
+    """Each model's `priority` in the stack, in the stack's order."""
+    return {m: spec.priority for m, spec in models.items()}
 
 
 FAIR_STEPS = 14  # bisection steps of a baseline's common fraction: to 1/16384
@@ -206,7 +211,8 @@ class _Stock:
 
 
 def _homo_greedy(
-    fleet: FleetConfig,
+    models: Mapping[str, ModelSpec],
+    allocation: AllocationSettings,
     market: Market,
     demand: dict[Job, float],
     columns: list[Column],
@@ -222,7 +228,7 @@ def _homo_greedy(
     )
     homo = [(i, c) for i, c in enumerate(columns) if homogeneous(c)]
     served: dict[Job, float] = {}
-    for model in fleet.models:
+    for model in models:
         jobs = sorted(j for j in demand if j[0] == model and demand[j] > 0)
         by_config: ByConfig = {}
         for i, c in homo:
@@ -232,7 +238,7 @@ def _homo_greedy(
             by_config, key=lambda cfg: (_cost_estimate(by_config[cfg], jobs, demand), cfg)
         )
         need = {j: demand[j] for j in jobs}
-        if fleet.allocation.colocate_phases and {ph for _, ph in jobs} >= {"prefill", "decode"}:
+        if allocation.colocate_phases and {ph for _, ph in jobs} >= {"prefill", "decode"}:
             _buy_colocated(stock, by_config, order, jobs, need, demand)
         else:
             for job in jobs:

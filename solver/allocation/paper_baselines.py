@@ -21,6 +21,7 @@ models, then the most in total); the paper scales every model alike.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 from solver.allocation.baselines import homo_solution, priorities
@@ -28,7 +29,7 @@ from solver.allocation.problem import Column, Problem, Solution
 from solver.allocation.solve import solve_allocation
 from solver.catalog.market import Market
 from solver.errors import InputError
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, ModelSpec
 from solver.types import Job
 
 PaperBaseline = Literal["homo-paper", "cauchy-paper"]
@@ -46,7 +47,8 @@ def single_node_columns(columns: list[Column]) -> list[Column]:
 
 def paper_baseline(
     method: PaperBaseline,
-    fleet: FleetConfig,
+    models: Mapping[str, ModelSpec],
+    allocation: AllocationSettings,
     market: Market,
     demand: dict[Job, float],
     columns: list[Column],
@@ -55,7 +57,8 @@ def paper_baseline(
 
     Args:
         method: homo-paper or cauchy-paper.
-        fleet: the stack (model order, colocation, budget).
+        models: the stack's models (their order and priorities).
+        allocation: the stack's allocation settings (colocation, budget).
         market: prices, availability and GPU pools.
         demand: capacity to buy per (model, phase) at a served fraction of 1.
         columns: every (template, region) column.
@@ -69,8 +72,8 @@ def paper_baseline(
     """
     cols = single_node_columns(columns)
     if method == "homo-paper":
-        return cols, homo_solution(fleet, market, demand, cols)
-    if fleet.allocation.colocate_phases and any(ph == "decode" for _, ph in demand):
+        return cols, homo_solution(models, allocation, market, demand, cols)
+    if allocation.colocate_phases and any(ph == "decode" for _, ph in demand):
         raise InputError(
             "coral:fleet.allocation.colocate_phases",
             "the cauchy-paper baseline picks each phase's node config and regions on its own, "
@@ -81,8 +84,8 @@ def paper_baseline(
         demand,
         cols,
         market,
-        fleet.allocation,
-        priorities=priorities(fleet),
+        allocation,
+        priorities=priorities(models),
         one_config_per_job=True,
     )
     return cols, solve_allocation(problem)

@@ -262,12 +262,16 @@ def plan_stack(
     # Capacity to buy: demand over the target utilization (headroom for queueing).
     needed = capacity_needed(fleet.allocation, demand)
     if method in ("homo-paper", "cauchy-paper"):
-        columns, solution = paper_baseline(method, fleet, market, needed, columns)
+        columns, solution = paper_baseline(
+            method, fleet.models, fleet.allocation, market, needed, columns
+        )
     elif method == "homo":
-        solution = homo_solution(fleet, market, needed, columns)
+        solution = homo_solution(fleet.models, fleet.allocation, market, needed, columns)
     else:
         running = previous.counts() if previous is not None else {}
-        problem = Problem(needed, columns, market, fleet.allocation, running, priorities(fleet))
+        problem = Problem(
+            needed, columns, market, fleet.allocation, running, priorities(fleet.models)
+        )
         solution = solve_allocation(problem)
     return plan_from_solution(
         stack, method, fleet, market, demand, columns, solution, libs, factors
@@ -335,7 +339,7 @@ def plan_to_targets(
             plan = searches.restricted(restriction, _said(on_round, restriction), on_solve)
             if plan is not None:
                 found.append((restriction, plan))
-    return best_at_target(found, priorities(fleet))
+    return best_at_target(found, priorities(fleet.models))
 
 
 OnSolve = Callable[[Plan, dict[str, float]], None]

@@ -68,19 +68,20 @@ def test_homo_keeps_both_phases_in_one_region_when_the_cheap_one_fits_only_one()
     """One node in the cheap region: the old greedy gave it to decode and sent prefill to the
     dear region (an invalid plan under colocate_phases). Now both go to the dear region."""
     f, market, demand, columns = hand_built(1, 2, 100)
-    s = homo_solution(f, market, demand, columns)
+    s = homo_solution(f.models, f.allocation, market, demand, columns)
     assert s.fraction == 1 and s.binding == []
     assert placed(columns, s.counts) == {"decode": {B}, "prefill": {B}}
     assert cost(columns, s.counts) == pytest.approx(4.0)
     # the paper's formulation (no colocation) still splits them, the cheaper way
-    free = homo_solution(hand_built(1, 2, 100, colocate_phases=False)[0], market, demand, columns)
+    free_fleet = hand_built(1, 2, 100, colocate_phases=False)[0]
+    free = homo_solution(free_fleet.models, free_fleet.allocation, market, demand, columns)
     assert placed(columns, free.counts) == {"decode": {A}, "prefill": {B}}
     assert cost(columns, free.counts) == pytest.approx(3.0)
 
 
 def test_homo_names_colocation_when_no_region_fits_both_phases():
     f, market, demand, columns = hand_built(1, 1, 100)
-    s = homo_solution(f, market, demand, columns)
+    s = homo_solution(f.models, f.allocation, market, demand, columns)
     assert s.fraction == 0 and s.counts == {}
     assert any("colocate_phases needs its prefill and decode in one region" in b for b in s.binding)
 
@@ -89,7 +90,7 @@ def test_homo_under_a_budget_serves_the_largest_fraction_it_can_afford():
     """300 units per phase need 3 + 3 nodes in the dear region (12 $/h). 8 $/h buys 2 + 2:
     2/3 of demand."""
     f, market, demand, columns = hand_built(0, 10, 300, budget_usd_per_hour=8)
-    s = homo_solution(f, market, demand, columns)
+    s = homo_solution(f.models, f.allocation, market, demand, columns)
     assert s.fraction == pytest.approx(2 / 3, abs=1e-3) and s.fraction <= 2 / 3
     assert cost(columns, s.counts) <= 8
     assert any(b.startswith("budget: 8.0 $/hour lets Homo serve 66.") for b in s.binding)
@@ -98,7 +99,7 @@ def test_homo_under_a_budget_serves_the_largest_fraction_it_can_afford():
 
 def test_homo_serves_nothing_when_one_pair_costs_more_than_the_budget():
     f, market, demand, columns = hand_built(0, 10, 300, budget_usd_per_hour=3)
-    s = homo_solution(f, market, demand, columns)
+    s = homo_solution(f.models, f.allocation, market, demand, columns)
     assert s.fraction == 0 and s.counts == {}
     assert any("raise coral:fleet.allocation.budget_usd_per_hour" in b for b in s.binding)
 
@@ -118,7 +119,7 @@ def test_homo_under_a_budget_falls_back_to_a_config_it_can_afford():
         Column(("phi-4", ph), A, SimpleNamespace(throughput=300.0, key="big"), 5.0, (("big", 1),))  # type: ignore[arg-type]
         for ph in ("decode", "prefill")
     ]
-    s = homo_solution(f, big, demand, columns)
+    s = homo_solution(f.models, f.allocation, big, demand, columns)
     assert s.fraction == pytest.approx(1.0) and s.binding == []
     assert cost(columns, s.counts) == pytest.approx(6.0)
     assert {columns[i].usage[0][0] for i in s.counts} == {"x"}
@@ -137,7 +138,7 @@ def test_homo_leaves_one_model_out_when_whole_instances_crowd_each_other_out():
         for ph in ("decode", "prefill")
     ]
     demand = {(m, ph): 100.0 for m in models for ph in ("decode", "prefill")}
-    s = homo_solution(f, market, demand, columns)
+    s = homo_solution(f.models, f.allocation, market, demand, columns)
     assert len(models) == 2 and sorted(s.fractions.values()) == [0.0, 1.0]
     assert cost(columns, s.counts) == pytest.approx(2.0)
 
@@ -145,7 +146,7 @@ def test_homo_leaves_one_model_out_when_whole_instances_crowd_each_other_out():
 def test_homo_names_the_gpu_pool_that_stops_it():
     f, market, demand, columns = hand_built(5, 5, 300)
     pooled = Market(market.price, market.available, {(A, "g"): 2, (B, "g"): 2}, market.gpu_of)
-    s = homo_solution(f, pooled, demand, columns)
+    s = homo_solution(f.models, f.allocation, pooled, demand, columns)
     assert 0 < s.fraction < 1
     assert any("GPU pools short at aws:cheap g (0 of 2 GPUs left)" in b for b in s.binding)
 

@@ -67,10 +67,10 @@ def bought(columns: list[Column], counts: dict[int, int]) -> dict[tuple[str, str
 def test_todays_homo_chains_nodes_and_the_paper_baselines_do_not():
     f, market, columns = hand_built()
     demand = {PRE: 1000.0, DEC: 30.0}  # x is Homo's config; its best prefill is the chain
-    today = homo_solution(f, market, demand, columns)
+    today = homo_solution(f.models, f.allocation, market, demand, columns)
     assert any(columns[i].usage[0][1] > 1 for i in today.counts)  # the x*2 chain
     for method in ("homo-paper", "cauchy-paper"):
-        cols, s = paper_baseline(method, f, market, demand, columns)  # type: ignore[arg-type]
+        cols, s = paper_baseline(method, f.models, f.allocation, market, demand, columns)  # type: ignore[arg-type]
         assert s.fraction == 1 and cols == single_node_columns(columns)
         assert all(cols[i].usage[0][1] == 1 for i in s.counts)
 
@@ -80,9 +80,9 @@ def test_cauchy_picks_each_phase_and_one_prefill_feeds_several_decodes():
     Homo keeps the model on one config, the one best for both phases together (y: 8 $/h)."""
     f, market, columns = hand_built()
     demand = {PRE: 100.0, DEC: 300.0}
-    cols, cauchy = paper_baseline("cauchy-paper", f, market, demand, columns)
+    cols, cauchy = paper_baseline("cauchy-paper", f.models, f.allocation, market, demand, columns)
     assert bought(cols, cauchy.counts) == {("prefill", "x", 1): 1, ("decode", "y", 1): 3}
-    cols, homo = paper_baseline("homo-paper", f, market, demand, columns)
+    cols, homo = paper_baseline("homo-paper", f.models, f.allocation, market, demand, columns)
     assert bought(cols, homo.counts) == {("prefill", "y", 1): 1, ("decode", "y", 1): 3}
 
 
@@ -91,7 +91,9 @@ def test_cauchy_serves_what_the_nodes_allow_on_one_config_per_phase():
     be met, so 2/3 of demand is served, and the binding names the full slots. Decode cannot
     add the x node to its y nodes: one node config per phase (Cauchy's ILP)."""
     f, market, columns = hand_built(avail_x=1, avail_y=2)
-    cols, s = paper_baseline("cauchy-paper", f, market, {PRE: 100.0, DEC: 300.0}, columns)
+    cols, s = paper_baseline(
+        "cauchy-paper", f.models, f.allocation, market, {PRE: 100.0, DEC: 300.0}, columns
+    )
     assert s.fraction == pytest.approx(2 / 3, abs=1e-3) and s.fraction <= 2 / 3
     assert bought(cols, s.counts) == {("prefill", "x", 1): 1, ("decode", "y", 1): 2}
     assert any(b.startswith("aws:r y: all 2 available nodes are in use") for b in s.binding)
@@ -100,7 +102,9 @@ def test_cauchy_serves_what_the_nodes_allow_on_one_config_per_phase():
 def test_cauchy_paper_refuses_colocated_phases():
     f, market, columns = hand_built(colocate_phases=True)
     with pytest.raises(InputError, match="colocate_phases.*cauchy-paper|cauchy-paper.*region"):
-        paper_baseline("cauchy-paper", f, market, {PRE: 100.0, DEC: 300.0}, columns)
+        paper_baseline(
+            "cauchy-paper", f.models, f.allocation, market, {PRE: 100.0, DEC: 300.0}, columns
+        )
 
 
 @pytest.mark.parametrize("method", ["homo-paper", "cauchy-paper"])

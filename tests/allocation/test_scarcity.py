@@ -64,8 +64,10 @@ def by_method(
         "coral": solve_allocation(
             Problem(demand, columns, market, f.allocation, priorities=priorities)
         ),
-        "homo": homo_solution(f, market, demand, columns),
-        "cauchy-paper": paper_baseline("cauchy-paper", f, market, demand, columns)[1],
+        "homo": homo_solution(f.models, f.allocation, market, demand, columns),
+        "cauchy-paper": paper_baseline(
+            "cauchy-paper", f.models, f.allocation, market, demand, columns
+        )[1],
     }
 
 
