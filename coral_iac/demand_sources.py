@@ -211,7 +211,7 @@ def demand_report(
     """
     source = fleet.demand_source
     if source.kind == "config":
-        return config_demand(fleet)
+        return config_demand(fleet.models)
     path = demand_file_path(fleet, stack, stacks_dir)
     if source.kind == "file":
         return _file_demand(fleet, path)
@@ -227,7 +227,7 @@ def demand_report(
         report = report.model_copy(
             update={"kind": "prometheus", "warnings": [warning, *report.warnings]}
         )
-        return with_floors(fleet, report, settings)
+        return with_floors(fleet.models, report, settings)
 
 
 def _file_demand(fleet: FleetConfig, path: Path) -> DemandReport:
@@ -242,7 +242,7 @@ def _file_demand(fleet: FleetConfig, path: Path) -> DemandReport:
         spec = fleet.models.get(model)
         if spec is not None and (problem := demand_bound_problem(spec, demand)):
             raise InputError(f"{path}: demand.{model}", problem, "correct the figure in the file")
-    return file_demand(fleet, doc, str(path))
+    return file_demand(fleet.models, doc, str(path))
 
 
 def _rates_demand(
@@ -278,7 +278,7 @@ def _rates_demand(
                 f"Prometheus at {url} measured for {model}: {problem}",
                 "check that the query's labels select only vLLM's counters of this fleet",
             )
-    return rates_demand(fleet, rates, settings)
+    return rates_demand(fleet.models, rates, settings)
 
 
 URL_ENV = "CORAL_PROMETHEUS_URL"
@@ -335,7 +335,7 @@ def resolve_demand(
     report = demand_report(fleet, stack, stacks_dir)
     for line in report.warnings:
         (warn or log.warning)(line)
-    return report.apply(fleet)
+    return fleet.model_copy(update={"models": report.apply(fleet.models)})
 
 
 def refresh_file(

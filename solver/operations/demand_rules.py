@@ -1,7 +1,7 @@
 """Demand sources, pure part: the stack config, a demand file, measured token rates.
 
 Each source turns a stack's `coral:fleet` into a `DemandReport`: every model's demand and where
-it came from. `DemandReport.apply` gives the fleet with those figures, which is what `coral plan`
+it came from. `DemandReport.apply` gives the models with those figures, which is what `coral plan`
 and the Pulumi program solve for. Measured rates come in as data (`MeasuredRates`); the
 Prometheus client that measures them lives in `coral_iac/demand_sources.py`, since `solver/`
 does no network I/O. The demand file format (`stacks/demand/<stack>.yaml`):
@@ -15,6 +15,7 @@ does no network I/O. The demand file format (`stacks/demand/<stack>.yaml`):
 from __future__ import annotations
 
 import datetime as dt
+from collections.abc import Mapping
 from pathlib import Path
 
 import yaml
@@ -22,7 +23,7 @@ from pydantic import BaseModel, Field
 
 from solver.errors import InputError
 from solver.io import load_yaml_model
-from solver.stack import Demand, FleetConfig, ModelSpec, PhaseTokens, PrometheusSource
+from solver.stack import Demand, ModelSpec, PhaseTokens, PrometheusSource
 from solver.types import FROZEN, LibPhase
 
 PROMPT_METRIC = "vllm:prompt_tokens_total"
@@ -59,14 +60,14 @@ class DemandReport(BaseModel):
         default_factory=list, description="Models the source has and the stack does not serve."
     )
 
-    def apply(self, fleet: FleetConfig) -> FleetConfig:
-        """The fleet with each model's demand replaced by this report's figure."""
+    def apply(self, specs: Mapping[str, ModelSpec]) -> dict[str, ModelSpec]:
+        """The stack's models (`specs`, by name) with each one's demand replaced by this
+        report's figure."""
         given = {m.model: m.demand for m in self.models}
-        models = {
+        return {
             name: spec.model_copy(update={"demand": given.get(name, spec.demand)})
-            for name, spec in fleet.models.items()
+            for name, spec in specs.items()
         }
-        return fleet.model_copy(update={"models": models})
 
 
 class MeasuredRates(BaseModel):
@@ -78,7 +79,7 @@ class MeasuredRates(BaseModel):
     queries: list[str] = Field(description="The PromQL the figures come from.")
 
 
-def config_demand(fleet: FleetConfig) -> DemandReport:
+def config_demand(specs: Mapping[str, ModelSpec]) -> DemandReport:
     """Each model's `demand` from the stack config itself.
 
     Raises:
@@ -88,7 +89,7 @@ def config_demand(fleet: FleetConfig) -> DemandReport:
         kind="config",
         models=[
             ModelDemand(model=m, demand=_config_figure(m, spec), origin="config", detail="")
-            for m, spec in sorted(fleet.models.items())
+            for m, spec in sorted(specs.items())
         ],
     )
 
@@ -118,14 +119,14 @@ def load_demand_file(path: Path) -> DemandFile:
     return load_yaml_model(DemandFile, path)
 
 
-def file_demand(fleet: FleetConfig, doc: DemandFile, path: str) -> DemandReport:
+def file_demand(specs: Mapping[str, ModelSpec], doc: DemandFile, path: str) -> DemandReport:
     """Demand from a demand file; a model it lacks keeps its config demand, with a warning.
 
     Raises:
         InputError: a model neither the file nor the config gives demand for.
     """
     models, warnings = [], []
-    for m, spec in sorted(fleet.models.items()):
+    for m, spec in sorted(specs.items()):
         if m in doc.demand:
             # In the model's own units (an aggregated model's tokens/s become requests/s).
             demand = _as_demand(spec, phase_figures(spec, doc.demand[m]))
@@ -134,7 +135,7 @@ def file_demand(fleet: FleetConfig, doc: DemandFile, path: str) -> DemandReport:
         figure = _config_figure(m, spec, f"{path} has no entry for it")
         warnings.append(f"{path} has no demand for {m}: using its config demand")
         models.append(ModelDemand(model=m, demand=figure, origin="config", detail="not in file"))
-    unknown = sorted(set(doc.demand) - set(fleet.models))
+    unknown = sorted(set(doc.demand) - set(specs))
     warnings += [f"{path} gives demand for {m}, which the stack does not serve" for m in unknown]
     return DemandReport(kind="file", models=models, warnings=warnings, unknown_models=unknown)
 
@@ -167,7 +168,7 @@ def _floor(settings: PrometheusSource, model: str) -> Demand | None:
 
 
 def rates_demand(
-    fleet: FleetConfig, rates: MeasuredRates, settings: PrometheusSource
+    specs: Mapping[str, ModelSpec], rates: MeasuredRates, settings: PrometheusSource
 ) -> DemandReport:
     """Measured tokens/s times the headroom, raised to the floor, per model.
 
@@ -180,7 +181,7 @@ def rates_demand(
     """
     measured = set(rates.prompt_tokens_per_s) | set(rates.generation_tokens_per_s)
     models, warnings = [], []
-    for m, spec in sorted(fleet.models.items()):
+    for m, spec in sorted(specs.items()):
         if m in measured:
             models.append(_measured(m, spec, rates, settings))
             continue
@@ -191,12 +192,12 @@ def rates_demand(
             figure, origin = _config_figure(m, spec, "no samples and no floor"), "config"
         models.append(ModelDemand(model=m, demand=figure, origin=origin, detail="no samples"))
         warnings.append(f"Prometheus has no samples for {m}: using its {origin} demand")
-    unknown = sorted(measured - set(fleet.models))
+    unknown = sorted(measured - set(specs))
     warnings += [f"Prometheus serves {m}, which the stack does not: not planned" for m in unknown]
     report = DemandReport(
         kind="prometheus", models=models, warnings=warnings, unknown_models=unknown
     )
-    return with_floors(fleet, report, settings)
+    return with_floors(specs, report, settings)
 
 
 def _measured(
@@ -215,13 +216,13 @@ def _measured(
 
 
 def with_floors(
-    fleet: FleetConfig, report: DemandReport, settings: PrometheusSource
+    specs: Mapping[str, ModelSpec], report: DemandReport, settings: PrometheusSource
 ) -> DemandReport:
     """Each model's figure raised to its floor, phase by phase, whatever the figure's source."""
     models = []
     for md in report.models:
         floor = _floor(settings, md.model)
-        spec = fleet.models[md.model]
+        spec = specs[md.model]
         have = phase_figures(spec, md.demand)
         low = have if floor is None else phase_figures(spec, floor)
         if all(low[p] <= have[p] for p in have):

@@ -84,8 +84,8 @@ def test_staging_reads_its_demand_file():
         ("gpt-oss-20b", "file"),
         ("qwen3-32b", "file"),
     ]
-    applied = report.apply(fleet)
-    assert applied.models["qwen3-32b"].phase_demand() == {"prefill": 480.0, "decode": 200.0}
+    applied = report.apply(fleet.models)
+    assert applied["qwen3-32b"].phase_demand() == {"prefill": 480.0, "decode": 200.0}
     assert report.warnings == [] and report.unknown_models == []
 
 
@@ -109,7 +109,7 @@ def test_file_missing_a_model_falls_back_to_config_and_reports_extras():
             "llama3-8b": Demand(requests_per_s=3),
         },
     )
-    report = file_demand(fleet, doc, "d.yaml")
+    report = file_demand(fleet.models, doc, "d.yaml")
     assert {m.model: m.origin for m in report.models}["phi-4"] == "config"
     assert report.unknown_models == ["llama3-8b"]
     assert any("phi-4" in w for w in report.warnings)
@@ -119,7 +119,7 @@ def test_file_missing_a_model_falls_back_to_config_and_reports_extras():
 def test_file_missing_a_model_without_config_demand_is_an_error_naming_both():
     doc = DemandFile(source="test", demand={"qwen3-32b": Demand(requests_per_s=1)})
     with pytest.raises(InputError, match="models.gpt-oss-20b.demand") as e:
-        file_demand(fleet_with(), doc, "stacks/demand/x.yaml")
+        file_demand(fleet_with().models, doc, "stacks/demand/x.yaml")
     assert "stacks/demand/x.yaml has no entry for it" in str(e.value)
 
 
@@ -145,7 +145,7 @@ def test_rates_times_headroom_raised_to_floors_per_phase():
     )
     fleet = fleet_with()
     report = rates_demand(
-        fleet, rates({"qwen3-32b": 400, "gpt-oss-20b": 10}, {"qwen3-32b": 30}), settings
+        fleet.models, rates({"qwen3-32b": 400, "gpt-oss-20b": 10}, {"qwen3-32b": 30}), settings
     )
     got = {m.model: (m.demand.tokens_per_s, m.origin) for m in report.models}
     qwen, origin = got["qwen3-32b"]
@@ -158,12 +158,12 @@ def test_rates_times_headroom_raised_to_floors_per_phase():
 def test_unmeasured_model_uses_config_demand_then_floor_else_fails():
     fleet = fleet_with()
     settings = PrometheusSource(url="http://x", floor=Demand(requests_per_s=0.5))
-    report = rates_demand(fleet, rates({"qwen3-32b": 10}, {"qwen3-32b": 1}), settings)
+    report = rates_demand(fleet.models, rates({"qwen3-32b": 10}, {"qwen3-32b": 1}), settings)
     oss = next(m for m in report.models if m.model == "gpt-oss-20b")
     assert oss.origin == "floor" and oss.demand.tokens_per_s.prefill == 750
     assert "Prometheus has no samples for gpt-oss-20b: using its floor demand" in report.warnings
     with pytest.raises(InputError, match="models.gpt-oss-20b.demand: no demand"):
-        rates_demand(fleet, rates({"qwen3-32b": 10}, {}), PrometheusSource(url="http://x"))
+        rates_demand(fleet.models, rates({"qwen3-32b": 10}, {}), PrometheusSource(url="http://x"))
 
 
 def test_aggregated_model_gets_requests_per_s_from_tokens():
@@ -171,7 +171,7 @@ def test_aggregated_model_gets_requests_per_s_from_tokens():
     spec = fleet.models["qwen3-32b"].model_copy(update={"serving": "aggregated"})
     fleet = fleet.model_copy(update={"models": {"qwen3-32b": spec}})
     report = rates_demand(
-        fleet,
+        fleet.models,
         rates({"qwen3-32b": 600}, {"qwen3-32b": 500}),
         PrometheusSource(url="http://x", headroom=1),
     )
@@ -331,9 +331,9 @@ def test_demand_file_tokens_for_an_aggregated_model_become_requests_per_s():
         source="test",
         demand={"qwen3-32b": Demand(tokens_per_s=PhaseTokens(prefill=600, decode=500))},
     )
-    report = file_demand(fleet, doc, "d.yaml")
+    report = file_demand(fleet.models, doc, "d.yaml")
     assert report.models[0].demand == Demand(requests_per_s=2)
-    assert stack_demand(report.apply(fleet).models) == {("qwen3-32b", "aggregated"): 2}
+    assert stack_demand(report.apply(fleet.models)) == {("qwen3-32b", "aggregated"): 2}
 
 
 def test_prometheus_url_override_from_option_then_environment(monkeypatch):
