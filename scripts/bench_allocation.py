@@ -109,16 +109,16 @@ def main(
             plans.append(p)
             assert p.solver is not None
             times.append(p.solver.solve_seconds)
-        coral = validate_plan(plans[0], fleet, perf.catalog, perf.cards)
+        coral = validate_plan(plans[0], fleet.plan_scope(), perf.catalog, perf.cards)
         homo = validate_plan(
             plan_stack(name, fleet, perf.catalog, libs, method="homo"),
-            fleet,
+            fleet.plan_scope(),
             perf.catalog,
             perf.cards,
         )
         cauchy = validate_plan(
             plan_stack(name, fleet, perf.catalog, libs, method="cauchy"),
-            fleet,
+            fleet.plan_scope(),
             perf.catalog,
             perf.cards,
         )

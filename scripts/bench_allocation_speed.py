@@ -74,7 +74,9 @@ def speed_table(stacks: list[str], repeats: int, gap: float) -> list[str]:
             solutions.append(solve_allocation(problem))
             times.append(time.perf_counter() - start)
         plan = plan_stack(name, fleet, perf.catalog, libs)
-        validate_plan(plan, fleet, perf.catalog, perf.cards)  # raises if it does not validate
+        validate_plan(
+            plan, fleet.plan_scope(), perf.catalog, perf.cards
+        )  # raises if it does not validate
         row = _row(name, load, solutions[0], fleet, statistics.median(times), _cli_wall(name, gap))
         table.add_row(*row)
         md.append("| " + " | ".join(row) + " |")

@@ -55,7 +55,7 @@ def replan(
 
     def plan(f: FleetConfig, previous: Plan | None = None) -> Plan:
         p = plan_stack(stack, f, perf.catalog, libs, previous)
-        return validate_plan(p, f, perf.catalog, perf.cards)
+        return validate_plan(p, f.plan_scope(), perf.catalog, perf.cards)
 
     first = plan(fleet)
     row = [stack, f"{fleet.allocation.startup_penalty_k:.3g}", str(len(first.instances))]

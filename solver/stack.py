@@ -526,6 +526,16 @@ class AttainmentScope:
     attainment: AttainmentSettings
 
 
+@dataclass(frozen=True)
+class PlanScope:
+    """What checking a plan against its stack reads (`FleetConfig.plan_scope`): the models'
+    specs by name (demand, SLOs, routing), the allocation settings and the market."""
+
+    models: Mapping[str, ModelSpec]
+    allocation: AllocationSettings
+    market: MarketScope
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -570,6 +580,10 @@ class FleetConfig(BaseModel):
     def attainment_scope(self) -> AttainmentScope:
         """The part of this fleet the closed loop and the verification read."""
         return AttainmentScope(self.models, self.attainment)
+
+    def plan_scope(self) -> PlanScope:
+        """The part of this fleet a plan is checked against."""
+        return PlanScope(self.models, self.allocation, self.market_scope())
 
     def with_mode(self, mode: str) -> FleetConfig:
         """This fleet with another library mode (e.g. from a `--mode` option).

@@ -162,7 +162,7 @@ def helix_eval(
     loop = plan_with_library(STACK, fleet, perf, folder, workers=1, root=root)
     build_s = time.perf_counter() - t0
     plan = validate_plan(
-        plan_stack(STACK, fleet, perf.catalog, libs), fleet, perf.catalog, perf.cards
+        plan_stack(STACK, fleet, perf.catalog, libs), fleet.plan_scope(), perf.catalog, perf.cards
     )
     rows = capacity_check(plan, fleet.models, perf, duration_s=duration_s)
     spec = fleet.models[MODEL]

@@ -262,5 +262,5 @@ def plan_recorded(
     library = {
         template_ref(m, ph, t.key): t for (m, ph), lib in libs.items() for t in lib.templates
     }
-    plan = validate_plan(plan, fleet, perf.catalog, perf.cards, library)
+    plan = validate_plan(plan, fleet.plan_scope(), perf.catalog, perf.cards, library)
     return Planned(plan, factors, libs, time.perf_counter() - t0)

@@ -27,7 +27,7 @@ the validator, the simulator and the Pulumi program.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import numpy as np
@@ -128,13 +128,20 @@ def bucket_spec(spec: ModelSpec, bucket: LengthBucket) -> ModelSpec:
 
 def expand(fleet: FleetConfig, buckets: dict[str, list[LengthBucket]]) -> FleetConfig:
     """The fleet with each model of `buckets` replaced by its buckets."""
-    models: dict[str, ModelSpec] = {}
-    for name, spec in fleet.models.items():
+    return fleet.model_copy(update={"models": expanded(fleet.models, buckets)})
+
+
+def expanded(
+    models: Mapping[str, ModelSpec], buckets: dict[str, list[LengthBucket]]
+) -> dict[str, ModelSpec]:
+    """The models (by name, sorted) with each model of `buckets` replaced by its buckets."""
+    out: dict[str, ModelSpec] = {}
+    for name, spec in models.items():
         if name in buckets:
-            models.update({b.name: bucket_spec(spec, b) for b in buckets[name]})
+            out.update({b.name: bucket_spec(spec, b) for b in buckets[name]})
         else:
-            models[name] = spec
-    return fleet.model_copy(update={"models": dict(sorted(models.items()))})
+            out[name] = spec
+    return dict(sorted(out.items()))
 
 
 def fleet_for_plan(fleet: FleetConfig, plan: Plan) -> FleetConfig:
@@ -143,15 +150,26 @@ def fleet_for_plan(fleet: FleetConfig, plan: Plan) -> FleetConfig:
     Raises:
         InputError: the plan routes a model the stack does not serve.
     """
+    models = models_for_plan(fleet.models, plan)
+    return fleet if models is fleet.models else fleet.model_copy(update={"models": models})
+
+
+def models_for_plan(models: Mapping[str, ModelSpec], plan: Plan) -> Mapping[str, ModelSpec]:
+    """The models `plan` was solved for: the stack's (`models`, by name), each routed model
+    replaced by its buckets (`models` itself when the plan routes none).
+
+    Raises:
+        InputError: the plan routes a model the stack does not serve.
+    """
     routed = {d.model: d.buckets for d in plan.routing if d.routed}
-    unknown = sorted(set(routed) - set(fleet.models))
+    unknown = sorted(set(routed) - set(models))
     if unknown:
         raise InputError(
             "plan.routing",
             f"routes {', '.join(unknown)}, which the stack does not serve",
             "plan again with this stack (coral plan --stack ...)",
         )
-    return expand(fleet, routed) if routed else fleet
+    return expanded(models, routed) if routed else models
 
 
 def share_miss_budget(buckets: list[LengthBucket], plan: Plan, target: float) -> list[LengthBucket]:

@@ -677,4 +677,4 @@ def plan_with_library(
         if (m, ph) in jobs
         for t in lib.templates
     }
-    return validate_plan(plan, fleet, perf.catalog, perf.cards, library)
+    return validate_plan(plan, fleet.plan_scope(), perf.catalog, perf.cards, library)

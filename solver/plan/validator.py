@@ -30,10 +30,10 @@ from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import CoralError
 from solver.plan.demand import capacity_needed, stack_demand
-from solver.plan.length_routing import fleet_for_plan
+from solver.plan.length_routing import models_for_plan
 from solver.plan_schema import Instance, JobResult, Plan, instance_key, template_ref
 from solver.serving.serving_template import ServingTemplate
-from solver.stack import FleetConfig
+from solver.stack import AllocationSettings, ModelSpec, PlanScope
 from solver.types import Job, base_model, per_model
 
 TOL = 1e-6
@@ -61,7 +61,7 @@ class _Tally:
 
 def plan_problems(
     plan: Plan,
-    fleet: FleetConfig,
+    scope: PlanScope,
     catalog: Catalog,
     cards: dict[str, ModelCard],
     library: Mapping[str, ServingTemplate] | None = None,
@@ -70,7 +70,8 @@ def plan_problems(
 
     Args:
         plan: the plan to check; only its instances and templates are taken as facts.
-        fleet: the stack the plan is for (demand, SLOs, market overrides, allocation).
+        scope: the stack the plan is for (`FleetConfig.plan_scope`: its models' demand and
+            SLOs, the allocation settings, the market with its overrides).
         catalog: offers, for prices and availability.
         cards: model cards, for layer counts.
         library: the serving templates the plan may use, by template ref (`template_ref`);
@@ -83,17 +84,17 @@ def plan_problems(
     Raises:
         InputError: the stack itself has no usable demand for a model.
     """
-    problems: list[str] = _routing_problems(plan, fleet)
+    problems: list[str] = _routing_problems(plan, scope.models)
     if problems:
         return problems
-    fleet = fleet_for_plan(fleet, plan)  # a routed model's buckets are models of their own
-    market = build_market(fleet.market_scope(), catalog)
+    models = models_for_plan(scope.models, plan)  # a routed model's buckets are models too
+    market = build_market(scope.market, catalog)
     tally = _Tally()
     keys: set[str] = set()
     for inst in plan.instances:
         problems.extend(_instance_problems(inst, plan, market, keys, tally))
     for ref, t in sorted(plan.templates.items()):
-        problems.extend(_template_problems(ref, t, fleet, cards))
+        problems.extend(_template_problems(ref, t, models, cards))
         if library is not None and library.get(ref) != t:
             known = library.get(ref)
             problems.append(
@@ -107,14 +108,14 @@ def plan_problems(
         problems.append(
             f"hourly cost: recomputed {tally.total:.4f} $/h, the plan says {plan.hourly_cost_usd}"
         )
-    demand = stack_demand(fleet.models)
-    problems.extend(_demand_problems(plan, fleet, demand, tally))
-    if fleet.allocation.colocate_phases:
+    demand = stack_demand(models)
+    problems.extend(_demand_problems(plan, scope.allocation, demand, tally))
+    if scope.allocation.colocate_phases:
         demanded = {job for job, d in demand.items() if d > 0}
         paired = {m for m, ph in demanded if ph == "prefill" and (m, "decode") in demanded}
         for model, cloud, where, seen in plan.unpaired(paired):
             problems.append(f"{model}: only {'/'.join(seen)} in {cloud}:{where}")
-    budget = fleet.allocation.budget_usd_per_hour
+    budget = scope.allocation.budget_usd_per_hour
     if budget is not None and tally.total > budget + 1e-6:
         problems.append(
             f"hourly cost {tally.total:.2f} exceeds the budget {budget} ({plan.method})"
@@ -185,13 +186,13 @@ def _capacity_problems(market: Market, used: dict[Slot, int]) -> list[str]:
 
 
 def served_fractions(
-    fleet: FleetConfig, demand: dict[Job, float], supply: dict[Job, float]
+    allocation: AllocationSettings, demand: dict[Job, float], supply: dict[Job, float]
 ) -> dict[str, float]:
     """Per model, the largest fraction of each of its jobs' capacity need that `supply`
     delivers.
 
     Args:
-        fleet: the stack (its target utilization).
+        allocation: the stack's allocation settings (its target utilization).
         demand: (model, phase) -> demand from the stack.
         supply: (model, phase) -> throughput the instances deliver.
 
@@ -199,18 +200,18 @@ def served_fractions(
         model -> min over its jobs with demand of supply / (demand / target utilization), at
         most 1.
     """
-    needed = capacity_needed(fleet.allocation, demand)
+    needed = capacity_needed(allocation, demand)
     return per_model({job: supply.get(job, 0.0) / n for job, n in needed.items() if n > 0})
 
 
 def _demand_problems(
-    plan: Plan, fleet: FleetConfig, demand: dict[Job, float], tally: _Tally
+    plan: Plan, allocation: AllocationSettings, demand: dict[Job, float], tally: _Tally
 ) -> list[str]:
     """Every stack job in the plan with the stack's demand, covered at the served fraction."""
     out = []
     recorded = {(j.model, j.phase): j for j in plan.jobs}
-    needed = capacity_needed(fleet.allocation, demand)
-    u = fleet.allocation.target_utilization
+    needed = capacity_needed(allocation, demand)
+    u = allocation.target_utilization
     for job, d in sorted(demand.items()):
         phi = plan.fraction_of(job[0])
         unit = "requests/s" if job[1] == "aggregated" else "tokens/s"
@@ -227,7 +228,7 @@ def _demand_problems(
             )
         if rec is not None:
             out.extend(_job_record_problems(plan, rec, tally))
-    actual = served_fractions(fleet, demand, tally.supply)
+    actual = served_fractions(allocation, demand, tally.supply)
     for model, served in sorted(actual.items()):
         said = plan.fraction_of(model)
         if said > served + TOL:
@@ -263,14 +264,14 @@ def _job_record_problems(plan: Plan, rec: JobResult, tally: _Tally) -> list[str]
     return out
 
 
-def _routing_problems(plan: Plan, fleet: FleetConfig) -> list[str]:
+def _routing_problems(plan: Plan, models: Mapping[str, ModelSpec]) -> list[str]:
     """Length routing: only models that ask for it, buckets that cover every prompt length
     once (contiguous from 0 to no bound), shares that add up to 1, and no instance of a routed
     model outside its buckets."""
     out = []
     routed = {d.model for d in plan.routing if d.routed}
     for d in plan.routing:
-        spec = fleet.models.get(d.model)
+        spec = models.get(d.model)
         if spec is None or spec.length_routing is None:
             out.append(f"routing: {d.model} does not ask for length routing in the stack")
             continue
@@ -298,10 +299,10 @@ def _routing_problems(plan: Plan, fleet: FleetConfig) -> list[str]:
 
 
 def _template_problems(
-    ref: str, t: ServingTemplate, fleet: FleetConfig, cards: dict[str, ModelCard]
+    ref: str, t: ServingTemplate, models: Mapping[str, ModelSpec], cards: dict[str, ModelCard]
 ) -> list[str]:
     out = []
-    spec = fleet.models.get(t.model)
+    spec = models.get(t.model)
     if spec is None:
         return [f"template {ref}: model {t.model} is not in the stack"]
     layers = sum(s.layers for s in t.stages)
@@ -324,7 +325,7 @@ def _template_problems(
 
 def validate_plan(
     plan: Plan,
-    fleet: FleetConfig,
+    scope: PlanScope,
     catalog: Catalog,
     cards: dict[str, ModelCard],
     library: Mapping[str, ServingTemplate] | None = None,
@@ -333,7 +334,7 @@ def validate_plan(
 
     Args:
         plan: the plan to check.
-        fleet: the stack it is for.
+        scope: the stack it is for (`FleetConfig.plan_scope`).
         catalog: offers, for prices and availability.
         cards: model cards, for layer counts.
         library: the serving templates the plan may use, by template ref (see `plan_problems`).
@@ -345,7 +346,7 @@ def validate_plan(
         InvalidPlan: listing every broken rule.
         InputError: the stack itself has no usable demand for a model.
     """
-    problems = plan_problems(plan, fleet, catalog, cards, library)
+    problems = plan_problems(plan, scope, catalog, cards, library)
     if problems:
         raise InvalidPlan(problems)
     return plan

@@ -25,7 +25,7 @@ runner = CliRunner()
 
 def plan_for(f: FleetConfig, previous=None):
     p = plan_stack("test", f, perf().catalog, libraries(), previous)
-    return validate_plan(p, f, perf().catalog, perf().cards)
+    return validate_plan(p, f.plan_scope(), perf().catalog, perf().cards)
 
 
 def with_rps(phi: float, gpt: float, **more) -> FleetConfig:
@@ -210,7 +210,7 @@ def test_validator_rejects_tampered_plans(tamper, message):
     data = plan_for(f).model_dump()
     tamper(data)
     with pytest.raises(InvalidPlan, match=message):
-        validate_plan(Plan.model_validate(data), f, perf().catalog, perf().cards)
+        validate_plan(Plan.model_validate(data), f.plan_scope(), perf().catalog, perf().cards)
 
 
 def test_validator_rejects_a_plan_over_availability():
@@ -231,7 +231,7 @@ def test_validator_rejects_a_plan_over_availability():
         }
     )
     with pytest.raises(InvalidPlan, match="available"):
-        validate_plan(p, tight, perf().catalog, perf().cards)
+        validate_plan(p, tight.plan_scope(), perf().catalog, perf().cards)
 
 
 def _availability_cls():

@@ -60,7 +60,7 @@ def with_inputs(rps: dict[str, float], avail: list[int], price_scale: float = 1.
 
 def solve(f):
     plan = plan_stack("test", f, perf().catalog, libraries())
-    return validate_plan(plan, f, perf().catalog, perf().cards)  # every plan validates
+    return validate_plan(plan, f.plan_scope(), perf().catalog, perf().cards)  # every plan validates
 
 
 @SETTINGS
@@ -123,7 +123,10 @@ def test_an_add_only_replan_never_removes_a_running_instance(rps, phi_scale, gpt
     scaled = {"phi-4": rps["phi-4"] * phi_scale, "gpt-oss-20b": rps["gpt-oss-20b"] * gpt_scale}
     f = with_inputs(scaled, avail, allocation={"add_only": True, "relative_gap": 0.0})
     again = validate_plan(
-        plan_stack("test", f, perf().catalog, libraries(), first), f, perf().catalog, perf().cards
+        plan_stack("test", f, perf().catalog, libraries(), first),
+        f.plan_scope(),
+        perf().catalog,
+        perf().cards,
     )
     assert diff_plans(first, again)["removed"] == []
 

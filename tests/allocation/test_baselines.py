@@ -170,7 +170,7 @@ def with_rps(phi: float, gpt: float, **more: Any) -> FleetConfig:
 
 def solve(f: FleetConfig, method: str) -> Plan:
     p = plan_stack("test", f, perf().catalog, libraries(), method=method)  # type: ignore[arg-type]
-    return validate_plan(p, f, perf().catalog, perf().cards)
+    return validate_plan(p, f.plan_scope(), perf().catalog, perf().cards)
 
 
 def regions_by_phase(plan: Plan) -> dict[str, dict[str, set[str]]]:

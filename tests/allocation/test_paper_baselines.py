@@ -113,7 +113,7 @@ def test_paper_baselines_on_a_real_library_use_single_node_replicas(method):
     assert any(len(t.nodes) > 1 for lib in libraries().values() for t in lib.templates)
     f = fleet(allocation={"colocate_phases": False})
     p = plan_stack("test", f, perf().catalog, libraries(), method=method)
-    p = validate_plan(p, f, perf().catalog, perf().cards)
+    p = validate_plan(p, f.plan_scope(), perf().catalog, perf().cards)
     assert p.method == method and p.served_fraction == 1 and p.instances
     assert all(len(i.nodes) == 1 for i in p.instances)
 

@@ -161,14 +161,14 @@ ROUTED_ROWS = [
 )
 def test_the_validator_rejects_broken_routing(perf, buckets, rows, problem):
     fleet = routed_dev()
-    problems = plan_problems(_routed_plan(buckets, rows), fleet, perf.catalog, perf.cards)
+    problems = plan_problems(_routed_plan(buckets, rows), fleet.plan_scope(), perf.catalog, perf.cards)
     assert any(problem in p for p in problems), problems
 
 
 def test_the_validator_rejects_routing_the_stack_did_not_ask_for(perf):
     fleet = load_stack(REPO / "stacks", "dev")  # no length_routing
     plan = _routed_plan([_bucket(0, 0, 1000, 0.5), _bucket(1, 1000, None, 0.5)], ROUTED_ROWS)
-    problems = plan_problems(plan, fleet, perf.catalog, perf.cards)
+    problems = plan_problems(plan, fleet.plan_scope(), perf.catalog, perf.cards)
     assert any("does not ask for length routing" in p for p in problems), problems
     with pytest.raises(InputError, match="plan.routing"):
         fleet_for_plan(fleet.model_copy(update={"models": {}}), plan)

@@ -26,7 +26,7 @@ def with_rps(phi: float, gpt: float, **more: Any):
 
 def solve(f, method: str = "coral") -> Plan:
     p = plan_stack("test", f, perf().catalog, libraries(), method=method)  # type: ignore[arg-type]
-    return validate_plan(p, f, perf().catalog, perf().cards)
+    return validate_plan(p, f.plan_scope(), perf().catalog, perf().cards)
 
 
 def forge(plan: Plan, keep: Callable[[Instance], bool], demand: dict[Job, float | None]) -> Plan:
@@ -70,7 +70,7 @@ def test_a_plan_that_lowers_its_own_demand_is_rejected_with_the_job_and_numbers(
     assert left < stack
     forged = forge(plan, lambda i: i.key != dropped, {("phi-4", "decode"): left})
     with pytest.raises(InvalidPlan) as exc:
-        validate_plan(forged, f, perf().catalog, perf().cards)
+        validate_plan(forged, f.plan_scope(), perf().catalog, perf().cards)
     text = str(exc.value)
     assert (
         f"phi-4 decode: the plan says {left:.1f} tokens/s demanded, the stack {stack:.1f}" in text
@@ -78,7 +78,7 @@ def test_a_plan_that_lowers_its_own_demand_is_rejected_with_the_job_and_numbers(
     assert f"phi-4 decode: {left:.1f} tokens/s delivered, 1.0000 x {stack:.1f} demanded" in text
     assert "served fraction: the plan says 1.0000, its instances serve" in text
     # the forgery agrees with itself: only the demand the stack sets gives it away
-    problems = plan_problems(forged, f, perf().catalog, perf().cards)
+    problems = plan_problems(forged, f.plan_scope(), perf().catalog, perf().cards)
     assert others(problems, "phi-4 decode", "served fraction") == []
 
 
@@ -97,7 +97,7 @@ def test_a_plan_that_drops_a_job_is_rejected_with_the_job_and_numbers():
     }
     stack = stack_demand(f.models)[("gpt-oss-20b", "decode")]
     with pytest.raises(InvalidPlan) as exc:
-        validate_plan(forged, f, perf().catalog, perf().cards)
+        validate_plan(forged, f.plan_scope(), perf().catalog, perf().cards)
     text = str(exc.value)
     assert (
         f"gpt-oss-20b decode: the stack demands {stack:.1f} tokens/s; the plan has no such job"
@@ -117,7 +117,7 @@ def test_a_plan_claiming_more_than_its_instances_serve_is_rejected():
     f = with_rps(rps_needing("phi-4", "decode", "l40sx1", 2.6), 8, availability=avail)
     plan = solve(f)
     assert 0 < plan.served_fraction < 1
-    actual = min(served_fractions(f, stack_demand(f.models), _supply(plan)).values())
+    actual = min(served_fractions(f.allocation, stack_demand(f.models), _supply(plan)).values())
     assert actual >= plan.served_fraction
     claimed = Plan.model_validate(
         plan.model_dump() | {"served_fraction": 1.0, "served_fractions": {}}
@@ -126,7 +126,7 @@ def test_a_plan_claiming_more_than_its_instances_serve_is_rejected():
         InvalidPlan,
         match=rf"served fraction: the plan says 1\.0000, its instances serve {actual:.4f}",
     ):
-        validate_plan(claimed, f, perf().catalog, perf().cards)
+        validate_plan(claimed, f.plan_scope(), perf().catalog, perf().cards)
 
 
 def test_coverage_applies_the_target_utilization_like_the_planner():
@@ -141,7 +141,7 @@ def test_coverage_applies_the_target_utilization_like_the_planner():
     ]
     assert short
     with pytest.raises(InvalidPlan, match=r"/ 0\.5 target utilization = [\d.]+ needed"):
-        validate_plan(plan, half, perf().catalog, perf().cards)
+        validate_plan(plan, half.plan_scope(), perf().catalog, perf().cards)
     roomy = solve(half)  # the planner's own plan for u = 0.5 passes
     assert roomy.hourly_cost_usd > plan.hourly_cost_usd
 
@@ -151,7 +151,7 @@ def test_the_budget_binds_every_method_homo_included():
     homo = solve(f, "homo")
     tight = with_rps(3, 4, allocation={"budget_usd_per_hour": homo.hourly_cost_usd - 0.5})
     with pytest.raises(InvalidPlan, match=r"exceeds the budget .* \(homo\)"):
-        validate_plan(homo, tight, perf().catalog, perf().cards)
+        validate_plan(homo, tight.plan_scope(), perf().catalog, perf().cards)
 
 
 def test_a_job_the_stack_lacks_is_rejected():
@@ -163,7 +163,7 @@ def test_a_job_the_stack_lacks_is_rejected():
     with pytest.raises(
         InvalidPlan, match=r"gpt-oss-20b decode: in the plan's jobs but not in the stack"
     ):
-        validate_plan(plan, only_phi, perf().catalog, perf().cards)
+        validate_plan(plan, only_phi.plan_scope(), perf().catalog, perf().cards)
 
 
 def _supply(plan: Plan) -> dict[tuple[str, str], float]:
@@ -197,8 +197,10 @@ def test_a_template_whose_throughput_the_plan_made_up_is_rejected_against_the_li
         {},
     )
     catalog, cards = perf().catalog, perf().cards
-    assert others(plan_problems(forged, f, catalog, cards), "phi-4") == []
-    assert plan_problems(forged, f, catalog, cards) == []  # self-consistent without the library
-    problems = plan_problems(forged, f, catalog, cards, library)
+    assert others(plan_problems(forged, f.plan_scope(), catalog, cards), "phi-4") == []
+    assert (
+        plan_problems(forged, f.plan_scope(), catalog, cards) == []
+    )  # self-consistent without the library
+    problems = plan_problems(forged, f.plan_scope(), catalog, cards, library)
     assert any(ref in p and "the library's" in p for p in problems), problems
-    assert plan_problems(plan, f, catalog, cards, library) == []
+    assert plan_problems(plan, f.plan_scope(), catalog, cards, library) == []

@@ -173,7 +173,7 @@ def test_a_paper_plan_validates_and_prices_on_the_paper_market():
 
     f = paper_fleet()
     p = plan_stack("paper-test", f, perf().catalog, paper_libraries())
-    p = validate_plan(p, f, perf().catalog, perf().cards)
+    p = validate_plan(p, f.plan_scope(), perf().catalog, perf().cards)
     assert p.mode == "paper" and p.served_fraction == 1 and p.instances
     l4 = f.market.l4_usd_per_gpu_hour
     per_gpu = {"l4": l4, "l40s": 2.2 * l4}
