@@ -161,7 +161,8 @@ ROUTED_ROWS = [
 )
 def test_the_validator_rejects_broken_routing(perf, buckets, rows, problem):
     fleet = routed_dev()
-    problems = plan_problems(_routed_plan(buckets, rows), fleet.plan_scope(), perf.catalog, perf.cards)
+    routed = _routed_plan(buckets, rows)
+    problems = plan_problems(routed, fleet.plan_scope(), perf.catalog, perf.cards)
     assert any(problem in p for p in problems), problems
 
 

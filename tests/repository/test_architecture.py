@@ -363,3 +363,54 @@ def test_the_comment_rule_on_examples(source, problem):
         if i.in_function and not i.commented
     ]
     assert bool(found) == (problem is not None)
+
+
+# The modules a stack config (`FleetConfig`) may reach from the Pulumi program, each for a reason:
+# every stage below takes a narrow typed input instead (`MarketScope`, `LibraryScope`,
+# `AttainmentScope`, `PlanScope`, the models' specs, one settings section), built once here.
+FLEET_ROOMS = {
+    "solver.stack": "defines it and checks its own lists",
+    "solver.validation": "checks it against the catalog and the model cards",
+    "coral_iac.demand_sources": "resolves its demand from the stack's demand source",
+    "coral_iac.program": "reads it from the stack config and splits it for the stages",
+    "solver.plan.planner": "splits it for the planning stages (market, library, loop, checks)",
+    "solver.plan.length_routing": "plans a routed model's length buckets as models of the fleet",
+}
+
+
+def fleet_rooms(start: str = "coral_iac.program") -> dict[str, list[str]]:
+    """Module -> its functions with a `FleetConfig` parameter, for the modules `start` reaches
+    through imports (itself included)."""
+    reach: dict[str, set[str]] = {}
+    for i, target in edges():
+        reach.setdefault(i.module, set()).add(target)
+    seen, todo = set(), [start]
+    while todo:
+        module = todo.pop()
+        if module not in seen:
+            seen.add(module)
+            todo.extend(reach.get(module, ()))
+    rooms = {}
+    for module in sorted(seen):
+        tree = ast.parse(modules()[module].read_text(encoding="utf-8"))
+        takes = [
+            f.name
+            for f in ast.walk(tree)
+            if isinstance(f, ast.FunctionDef | ast.AsyncFunctionDef)
+            for a in f.args.posonlyargs + f.args.args + f.args.kwonlyargs
+            if a.annotation is not None and "FleetConfig" in ast.unparse(a.annotation)
+        ]
+        if takes:
+            rooms[module] = takes
+    return rooms
+
+
+def test_the_stack_config_reaches_at_most_six_modules_from_the_program():
+    rooms = fleet_rooms()
+    assert "solver.plan.planner" in rooms  # the walk is read at all
+    extra = {m: f for m, f in rooms.items() if m not in FLEET_ROOMS}
+    assert not extra, (
+        "these modules take the whole stack config (FleetConfig); give them the narrow input "
+        f"they read (a scope from FleetConfig, the models' specs, one settings section): {extra}"
+    )
+    assert len(FLEET_ROOMS) <= 6
