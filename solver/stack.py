@@ -315,6 +315,36 @@ class PriceOverride(BaseModel):
     source: str = Field(min_length=1, description="Where the price comes from, and when.")
 
 
+class PreemptionOverride(BaseModel):
+    """The stack's own preemption model for spot capacity: for one cloud, or one region of it,
+    or one node config there (the most specific match wins), in place of the shipped one
+    (`solver/data/spot/preemption.yaml`, partly assumed). Like every outside number it carries
+    its source."""
+
+    model_config = FROZEN
+    cloud: Literal["aws", "gcp"]
+    region: str | None = Field(default=None, description="Only this region (default: all).")
+    node: str | None = Field(default=None, description="Only this node config (default: all).")
+    rate_per_hour: float = Field(
+        ge=0, le=1, description="Preemptions per instance-hour, e.g. 0.01: one in 100 hours."
+    )
+    zone_correlation: float | None = Field(
+        default=None,
+        ge=0,
+        le=1,
+        description="Chance that a preemption in a zone takes every spot instance of that node "
+        "config in the zone at once (default: the shipped assumption).",
+    )
+    source: str = Field(min_length=1, description="Where the rate comes from, and when.")
+
+    def matches(self, cloud: str, region: str, node: str) -> bool:
+        return cloud == self.cloud and self.region in (None, region) and self.node in (None, node)
+
+    @property
+    def specificity(self) -> int:
+        return (self.region is not None) + (self.node is not None)
+
+
 Backend = Literal["cp-sat", "scip", "highs"]
 
 
@@ -504,6 +534,7 @@ class MarketScope:
     gpu_pools: tuple[GpuPool, ...]
     prices: tuple[PriceOverride, ...]
     market: MarketSettings
+    preemption: tuple[PreemptionOverride, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -552,6 +583,11 @@ class FleetConfig(BaseModel):
     availability: list[NodeAvailability] = Field(default_factory=list)
     gpu_pools: list[GpuPool] = Field(default_factory=list)
     prices: list[PriceOverride] = Field(default_factory=list)
+    preemption: list[PreemptionOverride] = Field(
+        default_factory=list,
+        description="Your own preemption model for spot capacity, in place of the shipped "
+        "one (solver/data/spot/preemption.yaml), per cloud, region or node config.",
+    )
     market: MarketSettings = Field(
         default_factory=MarketSettings,
         description="catalog (offers + overrides) or paper (Table 1 prices; paper_market.py).",
@@ -571,6 +607,7 @@ class FleetConfig(BaseModel):
             tuple(self.gpu_pools),
             tuple(self.prices),
             self.market,
+            tuple(self.preemption),
         )
 
     def library_scope(self) -> LibraryScope:
@@ -637,6 +674,13 @@ def check_lists(fleet: FleetConfig) -> None:
             _declared(f"{where}.region", f"{item.cloud}:{item.region}", regions, "regions")
             _declared(f"{where}.node", item.node, fleet.node_configs, "node_configs")
         _once(key, items, lambda x: f"{x.cloud}:{x.region} {x.node}")
+    for i, o in enumerate(fleet.preemption):
+        where = f"{FLEET_KEY}.preemption[{i}]"
+        if o.region is not None:
+            _declared(f"{where}.region", f"{o.cloud}:{o.region}", regions, "regions")
+        if o.node is not None:
+            _declared(f"{where}.node", o.node, fleet.node_configs, "node_configs")
+    _once("preemption", fleet.preemption, lambda o: f"{o.cloud}:{o.region} {o.node}")
     for i, pool in enumerate(fleet.gpu_pools):
         region = f"{pool.cloud}:{pool.region}"
         _declared(f"{FLEET_KEY}.gpu_pools[{i}].region", region, regions, "regions")

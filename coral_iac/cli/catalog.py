@@ -5,6 +5,7 @@ from __future__ import annotations
 import csv
 import datetime as dt
 import io
+import math
 import sys
 from collections.abc import Mapping
 from pathlib import Path
@@ -32,17 +33,42 @@ def catalog_show(
     cloud: Annotated[str | None, typer.Option(help="Only this cloud (aws, gcp).")] = None,
     region: Annotated[str | None, typer.Option(help="Only this region.")] = None,
 ) -> None:
-    """Print every offer: instance type, node config, $/hour, network, default availability."""
+    """Print every offer: instance type, node config, $/hour on demand and as spot, how much of
+    the spot capacity is taken back a month (an assumption where marked *), network, default
+    availability."""
     # Deferred to when the command runs: the solver modules behind it (numpy,
     # pydantic, OR-Tools) would slow the start of every coral command.
-    from solver.catalog.offers import load_catalog
+    from solver.catalog.offers import Offer, load_catalog
+    from solver.catalog.preemption import HOURS_PER_MONTH, offer_preemption
 
     cat = load_catalog()
     offers = [o for o in cat.offers if (cloud in (None, o.cloud)) and (region in (None, o.region))]
+    preemption = {
+        id(o): offer_preemption(o) for o in offers if o.spot_price_usd_per_hour is not None
+    }
     if as_json:
-        print_json([o.model_dump(mode="json") | {"node": o.node} for o in offers])
+        print_json(
+            [
+                o.model_dump(mode="json")
+                | {"node": o.node}
+                | {
+                    "spot_preemption": preemption[id(o)].model_dump(mode="json")
+                    if id(o) in preemption
+                    else None
+                }
+                for o in offers
+            ]
+        )
         return
-    right = ("$/hour", "$/GPU-hour", "net Gbps", "avail")
+
+    def lost(o: Offer) -> str:
+        if id(o) not in preemption:
+            return "-"
+        p = preemption[id(o)]
+        share = -math.expm1(-p.rate_per_hour * HOURS_PER_MONTH)
+        return f"{share:.0%}" + ("*" if p.source.startswith("assumed") else "")
+
+    right = ("$/hour", "$/GPU-hour", "spot $/hour", "spot lost/month", "net Gbps", "avail")
     headers = ["cloud", "region", "node", "instance type", *right, "price read"]
     rows = [
         [
@@ -52,6 +78,8 @@ def catalog_show(
             o.instance_type,
             f"{o.price_usd_per_hour:.3f}",
             f"{o.price_usd_per_hour / o.gpu_count:.3f}",
+            "-" if o.spot_price_usd_per_hour is None else f"{o.spot_price_usd_per_hour:.3f}",
+            lost(o),
             f"{o.network_gbps:g}",
             str(o.availability),
             str(o.retrieved),
@@ -59,8 +87,14 @@ def catalog_show(
         for o in offers
     ]
     columns = [(h, "right" if h in right else "left") for h in headers]
-    table = wrapping_table(f"{len(offers)} offers (on-demand, USD/hour)", columns, rows)
+    table = wrapping_table(f"{len(offers)} offers (USD/hour)", columns, rows)
     out.print(table)
+    if preemption:
+        err.print(
+            "spot lost/month: the share of spot instances the cloud takes back in a month "
+            "(AWS Spot Instance Advisor buckets; * an assumption: solver/data/spot/"
+            "preemption.yaml, overridden per stack under coral:fleet.preemption)"
+        )
     if cat.unsold_shapes:
         err.print(
             "Shapes of the 1/2/4/8-GPU grid no cloud here sells: "

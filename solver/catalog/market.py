@@ -1,4 +1,5 @@
-"""What a stack can rent: price and availability per (region, node config), and GPU pools.
+"""What a stack can rent: price and availability per (region, node config), GPU pools, and
+where the catalog sells the node as spot, its spot terms (price, zones, preemption model).
 
 Built by the stack's market source (`coral:fleet.market`, `MarketSource`): the catalog's offers
 in the stack's regions with the stack's overrides applied, or the paper's Table 1 model. No
@@ -8,12 +9,13 @@ solver imports: the allocator and the plan validator both read it.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 from solver.catalog.market_settings import MarketKind
-from solver.catalog.offers import Catalog
+from solver.catalog.offers import Catalog, Offer
 from solver.catalog.paper_market import paper_node_configs, paper_slots
+from solver.catalog.preemption import Preemption, offer_preemption
 from solver.errors import InputError, unknown_value
 from solver.stack import MarketScope
 
@@ -26,6 +28,16 @@ def region_name(region: RegionId) -> str:
 
 
 @dataclass(frozen=True)
+class SpotTerms:
+    """Renting one slot's node as spot: its price, the zones that sell it, how often it is
+    taken back."""
+
+    usd_per_hour: float
+    zones: tuple[str, ...]
+    preemption: Preemption
+
+
+@dataclass(frozen=True)
 class Market:
     """Prices ($/hour) and availability (nodes) per slot; GPU pools per (region, GPU type)."""
 
@@ -33,6 +45,7 @@ class Market:
     available: dict[Slot, int]
     gpu_pools: dict[tuple[RegionId, str], int]
     gpu_of: dict[str, tuple[str, int]]  # node config -> (GPU type, GPUs per node)
+    spot: dict[Slot, SpotTerms] = field(default_factory=dict)  # the slots sold as spot
 
     @property
     def regions(self) -> list[RegionId]:
@@ -88,11 +101,16 @@ class CatalogMarket(MarketSource):
         wanted = set(scope.node_configs)
         price: dict[Slot, float] = {}
         available: dict[Slot, int] = {}
+        spot: dict[Slot, SpotTerms] = {}
         for o in catalog.offers:
             slot: Slot = ((o.cloud, o.region), o.node)
             if slot[0] in regions and o.node in wanted:
                 price[slot] = o.price_usd_per_hour
                 available[slot] = o.availability
+                if o.spot_price_usd_per_hour is not None:
+                    spot[slot] = SpotTerms(
+                        o.spot_price_usd_per_hour, tuple(o.spot_zones), _preemption(o, scope)
+                    )
         for p in scope.prices:
             price[((p.cloud, p.region), p.node)] = p.usd_per_hour
         for i, a in enumerate(scope.availability):
@@ -110,7 +128,13 @@ class CatalogMarket(MarketSource):
             ((p.cloud, p.region), p.gpu): p.gpus for p in scope.gpu_pools
         }
         gpu_of = {n: (catalog.node(n).gpu_id, catalog.node(n).gpu_count) for n in wanted}
-        return Market(dict(sorted(price.items())), dict(sorted(available.items())), pools, gpu_of)
+        return Market(
+            dict(sorted(price.items())),
+            dict(sorted(available.items())),
+            pools,
+            gpu_of,
+            dict(sorted(spot.items())),
+        )
 
     def node_configs(self, scope: MarketScope, catalog: Catalog) -> tuple[list[str], list[str]]:
         """A node the stack prices itself (`coral:fleet.prices`) in one of its regions is sold
@@ -229,4 +253,20 @@ def check_something_available(market: Market, scope: MarketScope) -> None:
         f"region of the stack ({regions}); offered slots, all with 0 nodes: {offered}",
         "raise a count under coral:fleet.availability, or add regions or node_configs the "
         "catalog offers (`coral catalog show`)",
+    )
+
+
+def _preemption(offer: Offer, scope: MarketScope) -> Preemption:
+    """The offer's preemption model: the stack's most specific matching override
+    (`coral:fleet.preemption`), else the shipped one (`offer_preemption`)."""
+    shipped = offer_preemption(offer)
+    matching = [o for o in scope.preemption if o.matches(offer.cloud, offer.region, offer.node)]
+    if not matching:
+        return shipped
+    own = max(matching, key=lambda o: o.specificity)
+    correlation = own.zone_correlation
+    return Preemption(
+        rate_per_hour=own.rate_per_hour,
+        zone_correlation=shipped.zone_correlation if correlation is None else correlation,
+        source=f"stack: {own.source}",
     )

@@ -78,6 +78,17 @@ class Offer(BaseModel):
     network_gbps: float = Field(gt=0, description="Network bandwidth, Gbit/s.")
     network_note: str = Field(default="", description="E.g. 'up to' (burst) figures.")
     price_usd_per_hour: float = Field(gt=0, description="On-demand Linux price, USD/hour.")
+    spot_price_usd_per_hour: float | None = Field(
+        default=None,
+        gt=0,
+        description="Spot (AWS) or Spot VM (GCP) price, USD/hour: the dearest of `spot_zones` "
+        "(a plan spreads spot instances over zones). None: the source has no spot price below "
+        "on-demand for it.",
+    )
+    spot_zones: list[str] = Field(
+        default_factory=list,
+        description="Zones of the region whose spot price the source lists below on-demand.",
+    )
     availability: int = Field(ge=0, description="Default nodes rentable now (stack can override).")
     zones: list[str] = Field(
         default_factory=list,
@@ -90,6 +101,19 @@ class Offer(BaseModel):
     @property
     def node(self) -> NodeId:
         return node_id(self.gpu, self.gpu_count)
+
+    @model_validator(mode="after")
+    def _spot_below_on_demand(self) -> Offer:
+        spot = self.spot_price_usd_per_hour
+        if spot is not None and (spot >= self.price_usd_per_hour or not self.spot_zones):
+            raise ValueError(
+                f"spot_price_usd_per_hour {spot} needs spot_zones and must be below the "
+                f"on-demand price {self.price_usd_per_hour} (a spot price at or above it is the "
+                "source's marker for none: leave the field out)"
+            )
+        if spot is None and self.spot_zones:
+            raise ValueError("spot_zones without a spot_price_usd_per_hour")
+        return self
 
 
 class UnsoldShape(BaseModel):

@@ -9,6 +9,11 @@ Rules:
   serving process), written `n1-standard-4+1xT4`.
 - Placeholder prices are dropped: empty, zero or negative, and 700.0 (SkyPilot's marker for an
   unavailable accelerator region). Unknown GPUs and counts outside 1/2/4/8 are skipped.
+- Spot: a zone's SpotPrice counts when it is below that row's on-demand price (and above a
+  tenth of it, `SPOT_FLOOR`) (the catalogs
+  write it equal to on-demand, or leave it empty, where a zone sells no spot capacity); GCP adds
+  the host's and the GPU's of one zone. The offer's spot price is the dearest such zone's, as a
+  plan spreads its spot instances over the zones (`spot_zones`).
 - Network bandwidth and availability are not in the CSV: they are kept from the current catalog's
   offer for the same instance type / shape, else the catalog defaults (named in `network_note`).
 """
@@ -44,6 +49,9 @@ GCP_BUNDLED = [
 ]
 GCP_N1_GPUS = ("T4", "V100")
 PLACEHOLDER_PRICES = {700.0}
+# A spot price at or below this share of on-demand is read as a placeholder, not a price: the
+# AWS catalog has p3.8xlarge in apne2-az1 at exactly a tenth of on-demand (1.6936 of 16.936).
+SPOT_FLOOR = 0.1
 GPU_COUNTS = {1, 2, 4, 8}
 DEFAULT_AVAILABILITY = {1: 16, 2: 8, 4: 4, 8: 2}
 REQUIRED_COLUMNS = {
@@ -72,6 +80,68 @@ def _count(text: str | None) -> int | None:
         return int(float(text or ""))
     except ValueError:
         return None
+
+
+def _spot(row: Mapping[str, str]) -> float | None:
+    """The row's SpotPrice when it is a discount: below the row's on-demand price (the catalogs
+    write a spot price equal to on-demand, or none, where a zone sells no spot capacity) and
+    above SPOT_FLOOR of it."""
+    price = _price(row)
+    try:
+        spot = float(row.get("SpotPrice") or "nan")
+    except ValueError:
+        return None
+    if price is None or not SPOT_FLOOR * price < spot < price or spot in PLACEHOLDER_PRICES:
+        return None
+    return spot
+
+
+ZoneSpots = dict[tuple[str, str], dict[str, float]]
+
+
+def spot_prices(rows: list[Mapping[str, str]], cloud: str) -> ZoneSpots:
+    """(region, instance type as the importer names it) -> zone -> spot $/hour, for the zones
+    whose rows carry a spot discount. AWS: the instance's row. GCP: the host row plus the GPU row
+    of the same zone (A2, A3 and G2 bundle theirs; T4 and V100 on `n1-standard-(4 x GPUs)`)."""
+    out: ZoneSpots = {}
+    if cloud == "aws":
+        for row in rows:
+            spot = _spot(row)
+            if row["InstanceType"] and spot is not None:
+                key = (row["Region"], row["InstanceType"])
+                out.setdefault(key, {})[row.get("AvailabilityZone", "")] = spot
+        return out
+    hosts: dict[tuple[str, str, str], float] = {}
+    gpus: dict[tuple[str, str, int, str], float] = {}
+    for row in rows:
+        spot, zone = _spot(row), row.get("AvailabilityZone", "")
+        if spot is None:
+            continue
+        if row["InstanceType"]:
+            hosts[(row["Region"], row["InstanceType"], zone)] = spot
+        elif (count := _count(row.get("AcceleratorCount"))) is not None:
+            gpus[(row["Region"], row["AcceleratorName"], count, zone)] = spot
+    for (region, itype, zone), host in hosts.items():
+        bundled = _bundled_gpu(itype)
+        bundled_gpu = gpus.get((region, *bundled, zone)) if bundled is not None else None
+        if bundled_gpu is not None:
+            out.setdefault((region, itype), {})[zone] = round(host + bundled_gpu, 6)
+    for (region, acc, count, zone), gpu in gpus.items():
+        host_type = f"n1-standard-{4 * count}"
+        n1_host = hosts.get((region, host_type, zone))
+        if acc in GCP_N1_GPUS and n1_host is not None:
+            out.setdefault((region, f"{host_type}+{count}x{acc}"), {})[zone] = round(
+                n1_host + gpu, 6
+            )
+    return out
+
+
+def spot_fields(zones: Mapping[str, float] | None) -> dict[str, object]:
+    """An offer's spot fields from its zones' spot prices: the dearest zone's price (a plan
+    spreads spot instances over the zones) and the zones, or none."""
+    if not zones:
+        return {"spot_price_usd_per_hour": None, "spot_zones": []}
+    return {"spot_price_usd_per_hour": round(max(zones.values()), 6), "spot_zones": sorted(zones)}
 
 
 def _aws_candidates(
@@ -104,22 +174,29 @@ def _gcp_gpu_prices(rows: list[Mapping[str, str]]) -> dict[tuple[str, str, int],
     return out
 
 
+def _bundled_gpu(itype: str) -> tuple[str, int] | None:
+    """(accelerator, count) a GCP machine type comes with (A2, A3, G2), else None."""
+    for pattern, acc, by_size in GCP_BUNDLED:
+        if m := pattern.match(itype):
+            n = int(m.group(1))
+            return acc, (by_size.get(n, 0) if by_size else n)
+    return None
+
+
 def _gcp_candidates(
     rows: list[Mapping[str, str]],
 ) -> Iterable[tuple[str, str, str, int, float, Mapping[str, str]]]:
     gpu_prices = _gcp_gpu_prices(rows)
     hosts = {(r["Region"], r["InstanceType"]): r for r in rows if r["InstanceType"] and _price(r)}
     for (region, itype), row in hosts.items():
-        for pattern, acc, by_size in GCP_BUNDLED:
-            m = pattern.match(itype)
-            if not m:
-                continue
-            n = int(m.group(1))
-            count = by_size.get(n) if by_size else n
-            gpu_price = gpu_prices.get((region, acc, count or 0))
-            host_price = _price(row)
-            if count in GPU_COUNTS and gpu_price is not None and host_price is not None:
-                yield region, itype, ACCELERATOR_IDS[acc], count, host_price + gpu_price, row
+        bundled = _bundled_gpu(itype)
+        if bundled is None:
+            continue
+        acc, count = bundled
+        gpu_price = gpu_prices.get((region, acc, count))
+        host_price = _price(row)
+        if count in GPU_COUNTS and gpu_price is not None and host_price is not None:
+            yield region, itype, ACCELERATOR_IDS[acc], count, host_price + gpu_price, row
     for (region, acc, count), gpu_price in gpu_prices.items():
         host_type = f"n1-standard-{4 * count}"
         host = hosts.get((region, host_type))
@@ -156,8 +233,9 @@ def import_vms_rows(
         key = (region, node_id(gpu, count))
         if key not in best or (price, itype) < best[key][:2]:
             best[key] = (price, itype, gpu, count, row)
+    spots = spot_prices(rows, cloud)
     return [
-        _offer(cloud, region, itype, gpu, count, price, row, current, source, retrieved)
+        _offer(cloud, region, itype, gpu, count, price, row, current, source, retrieved, spots)
         for (region, _), (price, itype, gpu, count, row) in sorted(best.items())
     ]
 
@@ -173,7 +251,9 @@ def _offer(
     current: Catalog,
     source: str,
     retrieved: dt.date,
+    spots: ZoneSpots,
 ) -> Offer:
+    zones = {z: v for z, v in spots.get((region, itype), {}).items() if v < round(price, 6)}
     same_type = [o for o in current.offers if o.cloud == cloud and o.instance_type == itype]
     same_shape = [
         o
@@ -199,4 +279,5 @@ def _offer(
         availability=availability,
         source=source,
         retrieved=retrieved,
+        **spot_fields(zones),
     )
