@@ -1,4 +1,4 @@
-"""Small serving templates built by hand for tests."""
+"""Small serving templates and stack pieces built by hand for tests."""
 
 from __future__ import annotations
 
@@ -41,3 +41,11 @@ def single_node_template(model: str, node: str, layers: int) -> ServingTemplate:
         unit="tokens/s",
         stage_budget_ms=[1.0],
     )
+
+
+# phi-4 as a stack declares it, with the paper's SLOs and mean lengths (Azure 2023 conversation).
+PHI4_SPEC: dict[str, object] = {
+    "slo_ms": {"prefill": 1200, "decode": 60},
+    "mean_prompt_tokens": 1020,
+    "mean_output_tokens": 129,
+}

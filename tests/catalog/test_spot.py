@@ -22,6 +22,7 @@ from solver.catalog.skypilot_import import import_vms_rows, spot_fields, spot_pr
 from solver.errors import InputError
 from solver.stack import FleetConfig
 from tests.conftest import REPO
+from tests.factories import PHI4_SPEC
 
 SPOT = REPO / "solver" / "data" / "spot"
 HEADER = "InstanceType,AcceleratorName,AcceleratorCount,vCPUs,MemoryGiB,Price,SpotPrice,Region,AvailabilityZone"
@@ -138,13 +139,7 @@ def test_the_advisor_buckets_order_the_rates_and_the_rest_is_assumed():
 
 def stack(**changes: Any) -> FleetConfig:
     base: dict[str, Any] = {
-        "models": {
-            "phi-4": {
-                "slo_ms": {"prefill": 1200, "decode": 60},
-                "mean_prompt_tokens": 1020,
-                "mean_output_tokens": 129,
-            }
-        },
+        "models": {"phi-4": PHI4_SPEC},
         "regions": [
             {"cloud": "aws", "region": "us-east-2"},
             {"cloud": "aws", "region": "us-west-2"},
