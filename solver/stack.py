@@ -534,7 +534,7 @@ class MarketScope:
     gpu_pools: tuple[GpuPool, ...]
     prices: tuple[PriceOverride, ...]
     market: MarketSettings
-    preemption: tuple[PreemptionOverride, ...] = ()
+    preemption: tuple[PreemptionOverride, ...]
 
 
 @dataclass(frozen=True)

@@ -38,33 +38,31 @@ def catalog_show(
     availability."""
     # Deferred to when the command runs: the solver modules behind it (numpy,
     # pydantic, OR-Tools) would slow the start of every coral command.
-    from solver.catalog.offers import Offer, load_catalog
-    from solver.catalog.preemption import HOURS_PER_MONTH, offer_preemption
+    from solver.catalog.offers import load_catalog
+    from solver.catalog.preemption import HOURS_PER_MONTH, Preemption, offer_preemption
 
     cat = load_catalog()
     offers = [o for o in cat.offers if (cloud in (None, o.cloud)) and (region in (None, o.region))]
-    preemption = {
-        id(o): offer_preemption(o) for o in offers if o.spot_price_usd_per_hour is not None
-    }
+    # Each offer with the preemption model of its spot capacity (None: not sold as spot).
+    shown = [
+        (o, offer_preemption(o) if o.spot_price_usd_per_hour is not None else None) for o in offers
+    ]
     if as_json:
         print_json(
             [
                 o.model_dump(mode="json")
-                | {"node": o.node}
                 | {
-                    "spot_preemption": preemption[id(o)].model_dump(mode="json")
-                    if id(o) in preemption
-                    else None
+                    "node": o.node,
+                    "spot_preemption": None if p is None else p.model_dump(mode="json"),
                 }
-                for o in offers
+                for o, p in shown
             ]
         )
         return
 
-    def lost(o: Offer) -> str:
-        if id(o) not in preemption:
+    def lost(p: Preemption | None) -> str:
+        if p is None:
             return "-"
-        p = preemption[id(o)]
         share = -math.expm1(-p.rate_per_hour * HOURS_PER_MONTH)
         return f"{share:.0%}" + ("*" if p.source.startswith("assumed") else "")
 
@@ -79,17 +77,17 @@ def catalog_show(
             f"{o.price_usd_per_hour:.3f}",
             f"{o.price_usd_per_hour / o.gpu_count:.3f}",
             "-" if o.spot_price_usd_per_hour is None else f"{o.spot_price_usd_per_hour:.3f}",
-            lost(o),
+            lost(p),
             f"{o.network_gbps:g}",
             str(o.availability),
             str(o.retrieved),
         ]
-        for o in offers
+        for o, p in shown
     ]
     columns = [(h, "right" if h in right else "left") for h in headers]
     table = wrapping_table(f"{len(offers)} offers (USD/hour)", columns, rows)
     out.print(table)
-    if preemption:
+    if any(p is not None for _, p in shown):
         err.print(
             "spot lost/month: the share of spot instances the cloud takes back in a month "
             "(AWS Spot Instance Advisor buckets; * an assumption: solver/data/spot/"

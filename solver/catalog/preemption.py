@@ -41,11 +41,6 @@ class Preemption(BaseModel):
     )
     source: str = Field(description="Where the rate comes from, or that it is assumed.")
 
-    @property
-    def mean_hours(self) -> float:
-        """Mean hours between an instance's preemptions (inf at rate 0)."""
-        return math.inf if self.rate_per_hour == 0 else 1.0 / self.rate_per_hour
-
 
 class AwsBucket(BaseModel):
     model_config = FROZEN

@@ -9,11 +9,11 @@ Rules:
   serving process), written `n1-standard-4+1xT4`.
 - Placeholder prices are dropped: empty, zero or negative, and 700.0 (SkyPilot's marker for an
   unavailable accelerator region). Unknown GPUs and counts outside 1/2/4/8 are skipped.
-- Spot: a zone's SpotPrice counts when it is below that row's on-demand price (and above a
-  tenth of it, `SPOT_FLOOR`) (the catalogs
-  write it equal to on-demand, or leave it empty, where a zone sells no spot capacity); GCP adds
-  the host's and the GPU's of one zone. The offer's spot price is the dearest such zone's, as a
-  plan spreads its spot instances over the zones (`spot_zones`).
+- Spot: a zone's SpotPrice counts when it is below that row's on-demand price and above a tenth
+  of it (`SPOT_FLOOR`): the catalogs write it equal to on-demand, or leave it empty, where a zone
+  sells no spot capacity. GCP adds the host's and the GPU's of one zone. The offer's spot price
+  is the dearest counted zone's below the offer's on-demand price, as a plan spreads its spot
+  instances over the zones (`spot_zones`).
 - Network bandwidth and availability are not in the CSV: they are kept from the current catalog's
   offer for the same instance type / shape, else the catalog defaults (named in `network_note`).
 """
@@ -136,12 +136,14 @@ def spot_prices(rows: list[Mapping[str, str]], cloud: str) -> ZoneSpots:
     return out
 
 
-def spot_fields(zones: Mapping[str, float] | None) -> dict[str, object]:
-    """An offer's spot fields from its zones' spot prices: the dearest zone's price (a plan
-    spreads spot instances over the zones) and the zones, or none."""
-    if not zones:
+def spot_fields(zones: Mapping[str, float], on_demand: float) -> dict[str, object]:
+    """An offer's spot fields from its zones' spot prices (`spot_prices`), counting the zones
+    below the offer's `on_demand` $/hour: the dearest such zone's price (a plan spreads spot
+    instances over the zones) and those zones, or none."""
+    below = {z: v for z, v in zones.items() if v < round(on_demand, 6)}
+    if not below:
         return {"spot_price_usd_per_hour": None, "spot_zones": []}
-    return {"spot_price_usd_per_hour": round(max(zones.values()), 6), "spot_zones": sorted(zones)}
+    return {"spot_price_usd_per_hour": round(max(below.values()), 6), "spot_zones": sorted(below)}
 
 
 def _aws_candidates(
@@ -253,7 +255,6 @@ def _offer(
     retrieved: dt.date,
     spots: ZoneSpots,
 ) -> Offer:
-    zones = {z: v for z, v in spots.get((region, itype), {}).items() if v < round(price, 6)}
     same_type = [o for o in current.offers if o.cloud == cloud and o.instance_type == itype]
     same_shape = [
         o
@@ -279,5 +280,5 @@ def _offer(
         availability=availability,
         source=source,
         retrieved=retrieved,
-        **spot_fields(zones),
+        **spot_fields(spots.get((region, itype), {}), price),
     )

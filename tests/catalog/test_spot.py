@@ -49,11 +49,16 @@ def test_a_zone_counts_only_with_a_real_discount_and_the_dearest_zone_prices_the
     )
     zones = spot_prices(rows, "aws")[("us-east-2", "g6e.xlarge")]
     assert zones == {"use2-az1": 0.5499, "use2-az3": 0.5299}
-    assert spot_fields(zones) == {
+    assert spot_fields(zones, 1.861) == {
         "spot_price_usd_per_hour": 0.5499,
         "spot_zones": ["use2-az1", "use2-az3"],
     }
-    assert spot_fields({}) == {"spot_price_usd_per_hour": None, "spot_zones": []}
+    # Only zones below the offer's own on-demand price count (a region's cheapest zone's).
+    assert spot_fields(zones, 0.54) == {
+        "spot_price_usd_per_hour": 0.5299,
+        "spot_zones": ["use2-az3"],
+    }
+    assert spot_fields({}, 1.861) == {"spot_price_usd_per_hour": None, "spot_zones": []}
 
 
 def test_gcp_spot_adds_the_host_and_the_gpu_of_one_zone():
@@ -79,9 +84,9 @@ def test_every_shipped_spot_price_is_what_its_source_rows_give():
     catalog = load_catalog()
     for o in catalog.offers:
         zones = spots[o.cloud].get((o.region, o.instance_type), {})
-        want = spot_fields({z: v for z, v in zones.items() if v < o.price_usd_per_hour})
         if not o.source.startswith("skypilot-org/skypilot-catalog"):
-            want = spot_fields({})
+            zones = {}
+        want = spot_fields(zones, o.price_usd_per_hour)
         got = {"spot_price_usd_per_hour": o.spot_price_usd_per_hour, "spot_zones": o.spot_zones}
         assert got == want, (o.cloud, o.region, o.instance_type)
     with_spot = [o for o in catalog.offers if o.spot_price_usd_per_hour is not None]
