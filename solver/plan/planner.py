@@ -67,11 +67,12 @@ def libraries_for(
         StaleLibraryError: a library is stale and `rebuild_stale` is False (it names the
             changed inputs).
     """
+    scope = fleet.library_scope()
     libs: dict[Job, Library] = {}
     todo: list[Job] = []
     for job in jobs:
         try:
-            libs[job] = load_library(directory, perf, fleet.library_scope(), *job)
+            libs[job] = load_library(directory, perf, scope, *job)
         except StaleLibraryError:
             if not rebuild_stale:
                 raise
@@ -86,7 +87,7 @@ def libraries_for(
         # the (model, phase) libraries it finished.
         for lib in build_libraries(
             perf,
-            fleet.library_scope(),
+            scope,
             todo,
             workers,
             progress,
