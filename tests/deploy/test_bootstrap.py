@@ -420,3 +420,56 @@ def test_the_index_keeps_only_the_shards_a_node_downloaded(tmp_path):
     assert r.returncode == 0, r.stderr
     pruned = json.loads((tmp_path / "model.safetensors.index.json").read_text())
     assert pruned == {"metadata": {}, "weight_map": {"a.weight": "s1.safetensors"}}
+
+
+def _shell_function(script: str, name: str) -> str:
+    """One function of a rendered script, from its `name() {` line to its closing brace."""
+    start = script.index(f"\n{name}() {{\n") + 1
+    return script[start : script.index("\n}\n", start) + 3]
+
+
+@pytest.mark.parametrize(
+    ("health", "restarted_after"),
+    [
+        ("up down up down down up up up up up", None),  # a busy prefill misses polls: no restart
+        ("up up down down down", 4),  # gone for 3 polls: the router restarts without it
+    ],
+)
+def test_the_router_restarts_only_when_its_prefills_stay_changed(tmp_path, health, restarted_after):
+    """Regression: the router restarted when one /health poll of a busy prefill timed out, which
+    cut its requests in flight (the real-serving test's pair, on a loaded CPU). The decode node's
+    watch restarts it only once the set of healthy prefills has differed for 3 polls in a row.
+    `curl` answers the prefill's /health from `health` (the first answer is the start's check),
+    `sleep` is instant and ends the run after the schedule."""
+    (boot,) = cases()["disaggregated-decode"]
+    script = render_start_script(boot)
+    router = tmp_path / "vllm-router"
+    router.write_text("#!/bin/sh\nexec sleep 600\n")
+    router.chmod(0o755)
+    (tmp_path / "calls").touch()
+    functions = _shell_function(script, "healthy_prefills") + _shell_function(script, "serve_router")
+    program = f"""
+answers=({health})
+polls=0
+curl() {{  # runs in healthy_prefills' subshell: the count of answers lives in a file
+  local calls
+  calls="$(wc -l < {tmp_path / "calls"})"
+  echo >> {tmp_path / "calls"}
+  [ "${{answers[calls]:-up}}" = up ]
+}}
+sleep() {{
+  polls=$((polls + 1))
+  echo "poll ${{polls}}" >&2
+  if [ "${{polls}}" -gt {len(health.split())} ]; then kill "${{pid}}"; fi
+}}
+{functions.replace("/opt/coral/venv/bin/vllm-router", str(router))}
+serve_router
+"""
+    r = subprocess.run(["bash", "-c", program], capture_output=True, text=True, timeout=60)
+    polls = [line for line in r.stderr.splitlines() if line.startswith("poll ")]
+    if restarted_after is None:
+        assert "restarting the router" not in r.stderr, r.stderr
+        assert r.returncode != 1 and len(polls) == len(health.split()) + 1, r.stderr
+    else:
+        assert r.returncode == 1 and "healthy prefills changed" in r.stderr, r.stderr
+        assert len(polls) == restarted_after, r.stderr
