@@ -2,14 +2,15 @@
 
 Written as `plan.json`; read back by `coral plan diff`, the validator, the Pulumi program and the
 next re-plan (its instances are the running fleet, nu0). Instance keys are stable:
-`<model>/<phase>/<cloud>:<region>/<template key>/<index>`, so unchanged demand changes nothing.
+`<model>/<phase>/<cloud>:<region>/<template key>/<index>`, so unchanged demand changes nothing; a
+spot instance's has its zone before the index: `.../<template key>/spot-<zone>/<index>`.
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 
 from solver.serving.serving_template import ServingTemplate
 from solver.types import BUCKET_SEP, FROZEN, LibPhase
@@ -36,6 +37,29 @@ class Instance(BaseModel):
     nodes: list[str]
     usd_per_hour: float
     throughput: float
+    market: Literal["on-demand", "spot"] = Field(
+        default="on-demand",
+        description="How its nodes are rented: on-demand, or spot (the cloud may take them back).",
+    )
+    zone: str | None = Field(
+        default=None,
+        description="A spot instance's zone (its nodes all there, spread by the plan); None "
+        "for on-demand, which any zone of the region may place.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _on_demand_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """An on-demand instance is written without `market` and `zone`: plans that use no spot
+        read and hash as they did before spot existed."""
+        out: dict[str, Any] = handler(self)
+        if self.market == "on-demand" and self.zone is None:
+            out.pop("market", None)
+            out.pop("zone", None)
+        return out
+
+    @property
+    def is_spot(self) -> bool:
+        return self.market == "spot"
 
 
 class JobResult(BaseModel):
@@ -99,6 +123,23 @@ class ModelAttainment(BaseModel):
         description="phase -> the closed loop's correction of the capacity model (1 = none).",
     )
     cause: str = Field(default="", description="Why it falls short, when it does.")
+    under_preemption: float | None = Field(
+        default=None,
+        description="Attainment on the verification workload with the plan's spot instances "
+        "taken back as the market's preemption model says (outages sampled with a fixed seed, "
+        "each replacement serving again after the stack's boot_minutes; requests cut are "
+        "retried on another instance). A report beside `verified`, not what the plan is judged "
+        "by. None when the model runs no spot instance or verification is off.",
+    )
+
+    @model_serializer(mode="wrap")
+    def _no_spot_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """A row without `under_preemption` is written without the key: plans that use no spot
+        read and hash as they did before spot existed."""
+        out: dict[str, Any] = handler(self)
+        if self.under_preemption is None:
+            out.pop("under_preemption", None)
+        return out
 
     @property
     def judged(self) -> float | None:
@@ -245,13 +286,22 @@ class Plan(BaseModel):
         """(model, phase, cloud, region, template) -> instances: the running fleet nu0."""
         out: dict[tuple[str, str, str, str, str], int] = {}
         for i in self.instances:
-            k = (i.model, i.phase, i.cloud, i.region, i.template)
+            k = (i.model, i.phase, i.cloud, i.region, market_template(i.template, i.zone))
             out[k] = out.get(k, 0) + 1
         return out
 
 
-def instance_key(model: str, phase: str, cloud: str, region: str, template: str, i: int) -> str:
-    return f"{model}/{phase}/{cloud}:{region}/{template}/{i}"
+def market_template(template: str, zone: str | None) -> str:
+    """A template key as the running fleet counts it: a spot zone's instances apart from the
+    on-demand ones (`<template key>/spot-<zone>`)."""
+    return template if zone is None else f"{template}/spot-{zone}"
+
+
+def instance_key(
+    model: str, phase: str, cloud: str, region: str, template: str, i: int, zone: str | None = None
+) -> str:
+    """An instance's stable key; a spot instance's names its zone (`spot-<zone>`)."""
+    return f"{model}/{phase}/{cloud}:{region}/{market_template(template, zone)}/{i}"
 
 
 def template_ref(model: str, phase: str, key: str) -> str:

@@ -348,6 +348,39 @@ class PreemptionOverride(BaseModel):
 Backend = Literal["cp-sat", "scip", "highs"]
 
 
+class SpotSettings(BaseModel):
+    """Whether plans may rent spot (preemptible) nodes, and the rules that keep a plan serving
+    when the cloud takes them back (docs/allocation.md, "Spot capacity")."""
+
+    model_config = FROZEN
+    enabled: bool = Field(
+        default=False,
+        description="Let plans rent spot nodes where the catalog sells them (off: on-demand only).",
+    )
+    max_share: float = Field(
+        default=0.5,
+        ge=0,
+        le=1,
+        description="Most of each (model, phase)'s throughput that spot instances may give, "
+        "from 0 to 1.",
+    )
+    zone_loss_serves: float = Field(
+        default=1.0,
+        ge=0,
+        le=1,
+        description="Share of each (model, phase)'s demand the plan still serves with every "
+        "spot instance of any one zone gone (while replacements boot): 1 buys the spare "
+        "capacity for a whole zone's loss, 0 allows putting all spot in one zone.",
+    )
+    zones_per_region: int = Field(
+        default=3,
+        ge=1,
+        le=8,
+        description="Spot zones the plan may use per region, the first by name of those that "
+        "sell a template's nodes (more zones: more columns, slower solves).",
+    )
+
+
 class AllocationSettings(BaseModel):
     """Online allocation ILP settings."""
 
@@ -404,6 +437,7 @@ class AllocationSettings(BaseModel):
     threads: int = Field(
         default=2, ge=1, le=1024, description="CP-SAT workers (SCIP and HiGHS use 1)."
     )
+    spot: SpotSettings = Field(default_factory=SpotSettings)
 
     @model_validator(mode="before")
     @classmethod
@@ -551,10 +585,13 @@ class LibraryScope:
 class AttainmentScope:
     """What the closed loop and its verification read of a stack
     (`FleetConfig.attainment_scope`): the models' specs by name (SLOs, targets, workloads)
-    and the attainment settings (rounds, simulated minutes)."""
+    and the attainment settings (rounds, simulated minutes); and the minutes a replacement
+    needs to boot, for verifying a plan's spot instances under a zone's loss (None: verified
+    without it)."""
 
     models: Mapping[str, ModelSpec]
     attainment: AttainmentSettings
+    boot_minutes: float | None = None
 
 
 @dataclass(frozen=True)
@@ -616,7 +653,7 @@ class FleetConfig(BaseModel):
 
     def attainment_scope(self) -> AttainmentScope:
         """The part of this fleet the closed loop and the verification read."""
-        return AttainmentScope(self.models, self.attainment)
+        return AttainmentScope(self.models, self.attainment, self.allocation.boot_minutes)
 
     def plan_scope(self) -> PlanScope:
         """The part of this fleet a plan is checked against."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping
 
-from solver.catalog.market import build_market, check_something_available
+from solver.catalog.market import Market, build_market, check_something_available
 from solver.catalog.model_cards import ModelCard
 from solver.catalog.offers import Catalog
 from solver.errors import InputError, unknown_value
@@ -125,5 +125,23 @@ def check_fleet(fleet: FleetConfig, catalog: Catalog, cards: Mapping[str, ModelC
     check_node_configs(fleet, catalog)
     check_gpu_pools(fleet, catalog)
     scope = fleet.market_scope()
-    check_something_available(build_market(scope, catalog), scope)  # also checks the regions
+    market = build_market(scope, catalog)
+    check_something_available(market, scope)  # also checks the regions
+    check_spot_sold(fleet, market)
     check_models_against_cards(fleet, cards)
+
+
+def check_spot_sold(fleet: FleetConfig, market: Market) -> None:
+    """With spot allowed, some node config of the stack sells as spot in one of its regions:
+    else every plan would be on-demand while the stack says spot.
+
+    Raises:
+        InputError: naming `coral:fleet.allocation.spot.enabled`.
+    """
+    if fleet.allocation.spot.enabled and not market.spot:
+        raise InputError(
+            "coral:fleet.allocation.spot.enabled",
+            "no node config of the stack sells as spot in its regions (the catalog has no "
+            "spot price for them; `coral catalog show` lists spot $/hour)",
+            "add a region or node config that sells spot, or set enabled: false",
+        )

@@ -52,7 +52,8 @@ def plan_table(p: Any) -> FittedTable:
         mine: dict[str, int] = {}
         for i in p.instances:
             if (i.model, i.phase) == (job.model, job.phase):
-                k = f"{i.cloud}:{i.region} {i.template}"
+                spot = f" spot {i.zone}" if i.market == "spot" else ""
+                k = f"{i.cloud}:{i.region} {i.template}{spot}"
                 mine[k] = mine.get(k, 0) + 1
         table.add_row(
             job.model,
@@ -88,7 +89,9 @@ def attainment_table(p: Any) -> FittedTable:
     table = FittedTable(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
     replayed = any(a.replayed is not None for a in p.attainment)
     evidence = ("held-out", "whole trace") if replayed else ()
-    cols = ("model / workload", "target", "planned", *evidence, "verified", "headroom")
+    spot = any(a.under_preemption is not None for a in p.attainment)
+    lost = ("one spot zone lost",) if spot else ()
+    cols = ("model / workload", "target", "planned", *evidence, "verified", *lost, "headroom")
     for col in cols:
         table.add_column(col, justify="left" if col in (cols[0], "headroom") else "right")
 
@@ -108,6 +111,7 @@ def attainment_table(p: Any) -> FittedTable:
             pct(a.target),
             pct(a.planned),
             *((held_out, pct(a.replayed), verified) if replayed else (f"{held_out}\n{status}",)),
+            *((pct(a.under_preemption),) if spot else ()),
             "\n".join(f"{ph} {k:.2f}" for ph, k in a.headroom.items()) or "-",
         )
     return table

@@ -17,7 +17,7 @@ exported model (`solver.ExportModelAsLpFormat`) reads like this list.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, cast
 
 from ortools.linear_solver import pywraplp
 
@@ -126,6 +126,73 @@ def add_demand(
         )
         need = (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
         solver.Add(supply >= need, name=f"demand[{job[0]}/{job[1]}]")
+
+
+def add_spot(
+    solver: pywraplp.Solver,
+    problem: Problem,
+    nu: list[Any],
+    phi: Mapping[str, Any] | None,
+    fraction: float,
+) -> None:
+    """Spot rules, for every job with spot columns (`allocation.spot`; T(t) of a spot column is
+    net of its expected downtime, N(t) its throughput while up, N(t) = T(t) on-demand):
+
+    - share: sum_{spot t} N(t) nu[r,t] <= s sum_t N(t) nu[r,t], s = `max_share`;
+    - zone spread, for each (region, zone) z its spot columns use: sum_t T(t) nu[r,t] -
+      sum_{t in z} T(t) nu[r,t] >= w D[m] phi[m] (or w D[m] f), w = `zone_loss_serves`: with
+      every spot instance of one zone gone, the rest still serves w of what the demand row
+      asks.
+    """
+    rules = problem.settings.spot
+    by_job: dict[Job, list[int]] = {}
+    for i, c in enumerate(problem.columns):
+        by_job.setdefault(c.job, []).append(i)
+    for job, idx in sorted(by_job.items()):
+        d = problem.demand.get(job, 0.0)
+        cols = problem.columns
+        spot = [i for i in idx if cols[i].is_spot]
+        if d <= 0 or not spot:
+            continue
+        name = f"{job[0]}/{job[1]}"
+        full = solver.Sum([cols[i].full_throughput * nu[i] for i in idx])
+        spot_full = solver.Sum([cols[i].full_throughput * nu[i] for i in spot])
+        solver.Add(spot_full <= rules.max_share * full, name=f"spot_share[{name}]")
+        supply = solver.Sum([cols[i].template.throughput * nu[i] for i in idx])
+        need = (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
+        zones: dict[tuple[RegionId, str], list[int]] = {}
+        for i in spot:
+            zones.setdefault((cols[i].region, cast(str, cols[i].zone)), []).append(i)
+        for (region, zone), members in sorted(zones.items()):
+            lost = solver.Sum([cols[i].template.throughput * nu[i] for i in members])
+            solver.Add(
+                supply - lost >= rules.zone_loss_serves * need,
+                name=f"spot_zone[{name},{region_name(region)},{zone}]",
+            )
+
+
+def spot_rules_hold(problem: Problem, counts: Mapping[int, int], fraction: float) -> bool:
+    """Whether a plan (column -> instances) keeps `add_spot`'s rules at a fixed `fraction`."""
+    rules = problem.settings.spot
+    supply: dict[Job, float] = {}
+    full: dict[Job, float] = {}
+    spot_full: dict[Job, float] = {}
+    zone: dict[tuple[Job, RegionId, str], float] = {}
+    for i, n in counts.items():
+        c = problem.columns[i]
+        supply[c.job] = supply.get(c.job, 0.0) + n * c.template.throughput
+        full[c.job] = full.get(c.job, 0.0) + n * c.full_throughput
+        if c.zone is not None:
+            spot_full[c.job] = spot_full.get(c.job, 0.0) + n * c.full_throughput
+            key = (c.job, c.region, c.zone)
+            zone[key] = zone.get(key, 0.0) + n * c.template.throughput
+    tol = 1e-6
+    if any(s > rules.max_share * full[job] + tol for job, s in spot_full.items()):
+        return False
+    return all(
+        supply[job] - lost >= rules.zone_loss_serves * problem.demand[job] * fraction - tol
+        for (job, _, _), lost in zone.items()
+    )
 
 
 def add_one_config(solver: pywraplp.Solver, problem: Problem, nu: list[Any]) -> None:

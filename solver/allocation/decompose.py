@@ -19,6 +19,7 @@ from dataclasses import dataclass, replace
 
 from ortools.linear_solver import pywraplp
 
+from solver.allocation.constraints import spot_rules_hold
 from solver.allocation.model import IlpModel, values
 from solver.allocation.problem import Problem, upper_bound
 from solver.allocation.reduction import reduce_columns
@@ -138,16 +139,17 @@ def running_plan(problem: Problem, fraction: float) -> dict[int, int] | None:
         tied = problem.settings.colocate_phases and phase == "prefill"
         if tied and regions[(model, "prefill")] != regions[(model, "decode")]:
             return None
-    return plan
+    return plan if spot_rules_hold(problem, plan, fraction) else None
 
 
 def _cheapest_cover(
     problem: Problem, job: Job, rest: float, region: RegionId | None, base: dict[int, int]
 ) -> tuple[int, int] | None:
-    """(column, instances) of one column adding `rest` of `job`'s throughput cheapest."""
+    """(column, instances) of one on-demand column adding `rest` of `job`'s throughput
+    cheapest (spot alone would break the spot share)."""
     best: tuple[float, int, int] | None = None
     for i, c in enumerate(problem.columns):
-        if c.job != job or (region is not None and c.region != region):
+        if c.job != job or c.is_spot or (region is not None and c.region != region):
             continue
         n = math.ceil(rest / c.template.throughput - 1e-9)
         cap = upper_bound(c, problem.market, problem.demand[job]) - base.get(i, 0)
@@ -244,4 +246,4 @@ def _left(problem: Problem, market: Market, counts: dict[int, int]) -> Market:
             gpu, per_node = market.gpu_of[node]
             if (c.region, gpu) in pools:
                 pools[(c.region, gpu)] -= n * k * per_node
-    return Market(market.price, available, pools, market.gpu_of)
+    return Market(market.price, available, pools, market.gpu_of, market.spot)

@@ -24,6 +24,7 @@ from solver.allocation.constraints import (
     add_gpu_pools,
     add_keep_running,
     add_one_config,
+    add_spot,
     instance_counts,
     node_usage,
 )
@@ -87,6 +88,7 @@ class IlpModel:
                 for m in served_models(problem)
             }
         add_demand(solver, problem, self.nu, self.phi, min_fraction)
+        add_spot(solver, problem, self.nu, self.phi, min_fraction)
         if s.colocate_phases:
             add_colocation(solver, problem, self.nu)
         if s.add_only:

@@ -8,9 +8,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 from solver.catalog.market import Market, RegionId
-from solver.plan_schema import SolverReport
+from solver.plan_schema import SolverReport, market_template
 from solver.serving.serving_template import ServingTemplate
-from solver.stack import AllocationSettings
+from solver.stack import AllocationSettings, SpotSettings
 from solver.types import BUCKET_SEP, Job
 
 RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, template key)
@@ -18,17 +18,34 @@ RunningKey = tuple[str, str, str, str, str]  # (model, phase, cloud, region, tem
 
 @dataclass(frozen=True)
 class Column:
-    """One choice of the ILP: a template of one (model, phase) in one region."""
+    """One choice of the ILP: a template of one (model, phase) in one region, on-demand or
+    (with `zone`) as spot instances in one zone of the region.
+
+    A spot column's template throughput is what an instance gives on average, net of the
+    time it is down after a preemption while its replacement boots (`spot_columns`);
+    `nominal` is its throughput while up."""
 
     job: Job
     region: RegionId
     template: ServingTemplate
     price: float
     usage: tuple[tuple[str, int], ...]  # node config -> nodes per instance
+    zone: str | None = None  # spot: the zone its instances run in; None: on-demand
+    nominal: float = 0.0  # spot: the template's throughput while up
+
+    @property
+    def is_spot(self) -> bool:
+        return self.zone is not None
+
+    @property
+    def full_throughput(self) -> float:
+        """An instance's throughput while it runs (a spot column's before its downtime)."""
+        return self.nominal if self.zone is not None else self.template.throughput
 
     @property
     def running_key(self) -> RunningKey:
-        return (*self.job, self.region[0], self.region[1], self.template.key)
+        key = market_template(self.template.key, self.zone)
+        return (*self.job, self.region[0], self.region[1], key)
 
 
 @dataclass(frozen=True)
@@ -74,9 +91,13 @@ def priority_tiers(models: list[str], priorities: dict[str, int]) -> list[frozen
 
 
 def make_columns(
-    templates: dict[Job, list[ServingTemplate]], market: Market, demand: dict[Job, float]
+    templates: dict[Job, list[ServingTemplate]],
+    market: Market,
+    demand: dict[Job, float],
+    spot: SpotRules | None = None,
 ) -> list[Column]:
-    """Every (template, region) pair whose region sells all of the template's nodes.
+    """Every (template, region) pair whose region sells all of the template's nodes, and with
+    `spot` (the stack allows spot) its spot columns after each (`spot_columns`).
 
     The price is `Market.template_price`'s (the same sum, in the same order); the region's
     prices are looked up once per region rather than once per (template, region, node).
@@ -97,7 +118,44 @@ def make_columns(
                     price += prices[n]
                 usage = usage or tuple(sorted(Counter(t.nodes).items()))
                 columns.append(Column(job, region, t, price, usage))
+                if spot is not None:
+                    columns.extend(spot_columns(columns[-1], market, spot))
     return columns
+
+
+@dataclass(frozen=True)
+class SpotRules:
+    """What spot columns are made with: the stack's spot settings and the hours a replacement
+    needs to boot (`allocation.boot_minutes`)."""
+
+    settings: SpotSettings
+    boot_hours: float
+
+
+def spot_columns(col: Column, market: Market, spot: SpotRules) -> list[Column]:
+    """`col`'s template as spot instances, one column per zone that sells every node of it as
+    spot (the first `zones_per_region` by name); none when a node has no spot price there.
+
+    Price: the sum of the nodes' spot prices. Throughput: the template's times the share of
+    time an instance serves, 1 / (1 + lambda B), with lambda the sum of its nodes' preemption
+    rates per hour (any node lost takes the instance down) and B the boot hours a
+    replacement takes: an instance alternates up (mean 1 / lambda) and down (B).
+    """
+    terms = [market.spot.get((col.region, n)) for n in col.template.nodes]
+    if any(t is None for t in terms):
+        return []
+    sold = [t for t in terms if t is not None]
+    zones = sorted(set.intersection(*(set(t.zones) for t in sold)))
+    rate = sum(t.preemption.rate_per_hour for t in sold)
+    serving = 1.0 / (1.0 + rate * spot.boot_hours)
+    price = 0.0
+    for t in sold:
+        price += t.usd_per_hour
+    template = col.template.model_copy(update={"throughput": col.template.throughput * serving})
+    return [
+        Column(col.job, col.region, template, price, col.usage, zone, col.template.throughput)
+        for zone in zones[: spot.settings.zones_per_region]
+    ]
 
 
 def _selling(market: Market, region: RegionId) -> dict[str, float]:

@@ -102,7 +102,7 @@ def reduce_columns(
 
 
 def undominated(problem: Problem, by_price: bool = True) -> list[int]:
-    """Indices of the columns no other column of the same job and region dominates.
+    """Indices of the columns no other on-demand column of the same job and region dominates.
 
     Column j dominates k when T(j) >= T(k), p(j) <= p(k) and j uses no more than k of every
     row that can bind (`_rows`): swapping every instance of k for one of j keeps every
@@ -122,18 +122,20 @@ def undominated(problem: Problem, by_price: bool = True) -> list[int]:
     """
     if problem.one_config_per_job:  # swapping k for j may break the job's one config
         return list(range(len(problem.columns)))
-    groups: dict[tuple[Job, RegionId], list[int]] = {}
+    groups: dict[tuple[Job, RegionId, str | None], list[int]] = {}
     for i, c in enumerate(problem.columns):
         usable = upper_bound(c, problem.market, problem.demand[c.job]) > 0
         if usable or problem.running.get(c.running_key, 0):
-            groups.setdefault((c.job, c.region), []).append(i)
-    rows = {region: _rows(problem, region) for _, region in groups}
+            groups.setdefault((c.job, c.region, c.zone), []).append(i)
+    rows = {region: _rows(problem, region) for _, region, _ in groups}
     kept: list[int] = []
-    for (_, region), idx in groups.items():
+    for (_, region, zone), idx in groups.items():
         # With every availability row kept, dominance is the library's own (a sub-multiset
-        # doing as well) plus price: rare, and not worth the pairwise comparison.
+        # doing as well) plus price: rare, and not worth the pairwise comparison. Spot
+        # columns all stay: a swap within a zone may break the spot share (`add_spot`).
         implied = any(not any(r == n for r, _ in rs) for n, rs in rows[region].items())
-        kept.extend(_front(problem, idx, rows[region], by_price) if implied else idx)
+        front = implied and zone is None
+        kept.extend(_front(problem, idx, rows[region], by_price) if front else idx)
     return sorted(kept)
 
 

@@ -19,9 +19,16 @@ from typing import Any, Literal
 from solver import timing
 from solver.allocation.baselines import homo_solution, priorities
 from solver.allocation.paper_baselines import paper_baseline
-from solver.allocation.problem import Column, Problem, Solution, make_columns, priority_tiers
+from solver.allocation.problem import (
+    Column,
+    Problem,
+    Solution,
+    SpotRules,
+    make_columns,
+    priority_tiers,
+)
 from solver.allocation.solve import solve_allocation
-from solver.catalog.market import Market, build_market
+from solver.catalog.market import Market, build_market, region_name
 from solver.catalog.offers import Catalog, split_node_id
 from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
@@ -149,7 +156,7 @@ def plan_from_solution(
         for idx in range(n):
             instances.append(
                 Instance(
-                    key=instance_key(model, phase, cloud, region, c.template.key, idx),
+                    key=instance_key(model, phase, cloud, region, c.template.key, idx, c.zone),
                     model=model,
                     phase=c.template.phase,
                     cloud=cloud,
@@ -159,6 +166,8 @@ def plan_from_solution(
                     nodes=c.template.nodes,
                     usd_per_hour=round(c.price, 6),
                     throughput=c.template.throughput,
+                    market="spot" if c.is_spot else "on-demand",
+                    zone=c.zone,
                 )
             )
     cost_by_model: dict[str, dict[str, float]] = {}
@@ -178,6 +187,7 @@ def plan_from_solution(
                 instances=len(mine),
             )
         )
+    spot_on = fleet.allocation.spot.enabled
     if solution.report is not None:
         penalty = max(0.0, solution.report.objective - sum(x.usd_per_hour for x in instances))
     elif k:
@@ -202,13 +212,24 @@ def plan_from_solution(
                 [
                     market.as_rows(),
                     sorted((f"{r}/{g}", n) for (r, g), n in market.gpu_pools.items()),
+                    *([_spot_rows(market)] if spot_on else []),
                 ]
             ),
             "demand": digest(sorted(demand.items())),
-            "allocation": digest(fleet.allocation.model_dump()),
+            # Spot settings count only when spot is on: other plans hash as before spot was.
+            "allocation": digest(fleet.allocation.model_dump(exclude=None if spot_on else {"spot"})),
         },
         capacity_factors=used_factors,
     )
+
+
+def _spot_rows(market: Market) -> list[tuple[str, str, float, list[str], float, float]]:
+    """(region, node config, spot $/hour, zones, preemptions/hour, zone correlation) per slot."""
+    return [
+        (region_name(r), n, t.usd_per_hour, list(t.zones), t.preemption.rate_per_hour,
+         t.preemption.zone_correlation)
+        for (r, n), t in sorted(market.spot.items())
+    ]  # fmt: skip
 
 
 # (id of a library template, factor) -> (that template, kept alive so its id stays its own;
@@ -259,7 +280,14 @@ def plan_stack(
             job: [at_capacity(t, f) for t in ts if (f := factors[template_ref(*job, t.key)]) > 0]
             for job, ts in templates.items()
         }
-    columns = make_columns(templates, market, demand)
+    # Spot columns for Coral's ILP only: the baselines rent on-demand, as their papers do.
+    spot = fleet.allocation.spot
+    rules = (
+        SpotRules(spot, fleet.allocation.boot_minutes / 60)
+        if spot.enabled and method in ("coral", "cauchy")
+        else None
+    )
+    columns = make_columns(templates, market, demand, rules)
     # Capacity to buy: demand over the target utilization (headroom for queueing).
     needed = capacity_needed(fleet.allocation, demand)
     if method in ("homo-paper", "cauchy-paper"):

@@ -14,6 +14,9 @@ It recomputes, from the stack, the catalog and the model cards alone:
 - that every template belongs to its model and phase, serves every layer once, and was built
   for the stack's current SLO;
 - that instance keys are unique and follow the stable scheme;
+- spot instances (`allocation.spot`): their spot price and zone from the market, their
+  throughput net of the expected downtime, each job's spot share and that losing any one
+  zone's spot instances leaves `zone_loss_serves` of its need served;
 - length routing: buckets only for models that ask for it, covering every prompt length once,
   shares adding up to 1 (each bucket is then checked as a model of its own).
 
@@ -57,6 +60,9 @@ class _Tally:
     usd: dict[Job, float] = field(default_factory=dict)
     supply: dict[Job, float] = field(default_factory=dict)
     count: dict[Job, int] = field(default_factory=dict)
+    full: dict[Job, float] = field(default_factory=dict)  # throughput while up (spot: no downtime)
+    spot_full: dict[Job, float] = field(default_factory=dict)
+    zones: dict[tuple[Job, str, str], float] = field(default_factory=dict)  # (job, region, zone)
 
 
 def plan_problems(
@@ -92,7 +98,7 @@ def plan_problems(
     tally = _Tally()
     keys: set[str] = set()
     for inst in plan.instances:
-        problems.extend(_instance_problems(inst, plan, market, keys, tally))
+        problems.extend(_instance_problems(inst, plan, market, scope.allocation, keys, tally))
     for ref, t in sorted(plan.templates.items()):
         problems.extend(_template_problems(ref, t, models, cards))
         if library is not None and library.get(ref) != t:
@@ -110,6 +116,7 @@ def plan_problems(
         )
     demand = stack_demand(models)
     problems.extend(_demand_problems(plan, scope.allocation, demand, tally))
+    problems.extend(_spot_problems(plan, scope.allocation, demand, tally))
     if scope.allocation.colocate_phases:
         demanded = {job for job, d in demand.items() if d > 0}
         paired = {m for m, ph in demanded if ph == "prefill" and (m, "decode") in demanded}
@@ -124,13 +131,18 @@ def plan_problems(
 
 
 def _instance_problems(
-    inst: Instance, plan: Plan, market: Market, keys: set[str], tally: _Tally
+    inst: Instance,
+    plan: Plan,
+    market: Market,
+    allocation: AllocationSettings,
+    keys: set[str],
+    tally: _Tally,
 ) -> list[str]:
     """One instance's key, template and price; adds what it uses and delivers to `tally`."""
     out = []
     region = (inst.cloud, inst.region)
     ref = template_ref(inst.model, inst.phase, inst.template)
-    want = instance_key(inst.model, inst.phase, *region, inst.template, inst.index)
+    want = instance_key(inst.model, inst.phase, *region, inst.template, inst.index, inst.zone)
     if inst.key != want or inst.key in keys:
         out.append(f"instance key {inst.key}: duplicate or not {want}")
     keys.add(inst.key)
@@ -139,29 +151,71 @@ def _instance_problems(
         return [*out, f"{inst.key}: template {ref} is not in the plan"]
     if t.model != inst.model or t.phase != inst.phase or sorted(t.nodes) != sorted(inst.nodes):
         out.append(f"{inst.key}: template {ref} is for {t.model} {t.phase} {t.nodes}")
-    price = 0.0
+    price, rate = 0.0, 0.0
     for n in inst.nodes:
         tally.used[(region, n)] = tally.used.get((region, n), 0) + 1
+        spot = market.spot.get((region, n))
         if (region, n) not in market.price:
             out.append(f"{inst.key}: {n} is not sold in {inst.cloud}:{inst.region}")
-        else:
+        elif not inst.is_spot:
             price += market.price[(region, n)]
+        elif spot is None or inst.zone not in spot.zones:
+            out.append(f"{inst.key}: {n} is not sold as spot in {inst.cloud}:{inst.zone}")
+        else:
+            price += spot.usd_per_hour
+            rate += spot.preemption.rate_per_hour
+    if inst.is_spot != (inst.zone is not None):
+        out.append(f"{inst.key}: a spot instance needs a zone, an on-demand one has none")
+    if inst.is_spot and not allocation.spot.enabled:
+        out.append(f"{inst.key}: spot, but the stack's allocation.spot.enabled is false")
     if abs(price - inst.usd_per_hour) > 1e-4:
         out.append(f"{inst.key}: costs {price:.4f} $/h, the plan says {inst.usd_per_hour}")
     factor = plan.capacity_factors.get(ref, 1.0)
     if not 0 < factor <= 1:
         out.append(f"{inst.key}: capacity factor {factor} is not in (0, 1]")
-    capacity = t.throughput * factor
+    full = t.throughput * factor
+    # A spot instance serves 1 / (1 + lambda B) of the time: down B hours after each of its
+    # lambda preemptions an hour while a replacement boots.
+    capacity = full / (1.0 + rate * allocation.boot_minutes / 60)
     if abs(inst.throughput - capacity) > TOL * max(1.0, capacity):
         out.append(
             f"{inst.key}: throughput {inst.throughput} != template {t.throughput} x capacity "
-            f"factor {factor:g}"
+            f"factor {factor:g}" + (f" x time up {capacity / full:.6f}" if inst.is_spot else "")
         )
     job = (inst.model, inst.phase)
     tally.total += price
     tally.usd[job] = tally.usd.get(job, 0.0) + price
     tally.supply[job] = tally.supply.get(job, 0.0) + capacity
     tally.count[job] = tally.count.get(job, 0) + 1
+    tally.full[job] = tally.full.get(job, 0.0) + full
+    if inst.is_spot and inst.zone is not None:
+        tally.spot_full[job] = tally.spot_full.get(job, 0.0) + full
+        where = (job, inst.region, inst.zone)
+        tally.zones[where] = tally.zones.get(where, 0.0) + capacity
+    return out
+
+
+def _spot_problems(
+    plan: Plan, allocation: AllocationSettings, demand: dict[Job, float], tally: _Tally
+) -> list[str]:
+    """The spot share of each job's throughput (while up), and that losing every spot
+    instance of one zone leaves `zone_loss_serves` of the job's need served."""
+    rules, out = allocation.spot, []
+    needed = capacity_needed(allocation, demand)
+    for job, spot in sorted(tally.spot_full.items()):
+        if spot > rules.max_share * tally.full[job] * (1 + TOL) + TOL:
+            out.append(
+                f"{job[0]} {job[1]}: spot gives {spot / tally.full[job]:.1%} of its throughput, "
+                f"more than allocation.spot.max_share {rules.max_share:g}"
+            )
+    for (job, region, zone), lost in sorted(tally.zones.items()):
+        need = needed.get(job, 0.0) * plan.fraction_of(job[0]) * rules.zone_loss_serves
+        left = tally.supply.get(job, 0.0) - lost
+        if left < need * (1 - TOL) - TOL:
+            out.append(
+                f"{job[0]} {job[1]}: without its spot instances in {region} {zone} it delivers "
+                f"{left:.1f}, below allocation.spot.zone_loss_serves x need = {need:.1f}"
+            )
     return out
 
 

@@ -410,3 +410,13 @@ def test_preview_reads_the_stack_file_as_strictly_as_plan(tmp_path, monkeypatch)
     r = runner.invoke(app, ["preview", "--stack", "dev"])
     assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
     assert "Pulumi.dev.yaml: not UTF-8 text" in r.output
+
+
+def test_spot_allowed_where_nothing_sells_spot_names_the_setting():
+    """p5.4xlarge (h100x1) has no spot price in us-east-2: a stack that allows spot on it alone
+    would plan on-demand while saying spot."""
+    allocation = {"budget_usd_per_hour": 10, "spot": {"enabled": True}}
+    cat, cards = load_catalog(), load_model_cards()
+    with pytest.raises(InputError, match=r"allocation\.spot\.enabled: no node config .* spot"):
+        check_fleet(fleet(node_configs=["h100x1"], allocation=allocation), cat, cards)
+    check_fleet(fleet(node_configs=["h100x1", "l4x1"], allocation=allocation), cat, cards)
