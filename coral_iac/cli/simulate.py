@@ -39,6 +39,22 @@ def simulate_cmd(
             "throughput it sustains with the template library's figure.",
         ),
     ] = False,
+    outages: Annotated[
+        Path | None,
+        typer.Option(
+            help="Replay these spot preemptions: a CSV with header instance,down_s[,up_s] "
+            "(instance keys of the plan; seconds; up_s defaults to down_s + the stack's "
+            "allocation.boot_minutes)."
+        ),
+    ] = None,
+    preemptions: Annotated[
+        float,
+        typer.Option(
+            help="Replay spot preemptions sampled from the market's preemption model (seed "
+            "--seed), the rates times this (0: none; e.g. 100 to stress a plan).",
+            min=0,
+        ),
+    ] = 0.0,
 ) -> None:
     """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
 
@@ -78,12 +94,18 @@ def simulate_cmd(
             traces[m] = t
     else:
         traces = stack_workload(fleet, duration, load, seed)
-    summary = simulate(plan, fleet.models, perf, traces, duration).summary()
+    replayed = _outages(plan, fleet, perf, duration, seed, outages, preemptions)
+    summary = simulate(plan, fleet.models, perf, traces, duration, replayed).summary()
     if as_json:
         print_json(summary)
         return
-    table = FittedTable(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand")
-    cols = ("model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms")
+    lost = f", {len(replayed)} spot outages" if replayed else ""
+    table = FittedTable(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand{lost}")
+    cols: tuple[str, ...] = (
+        "model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms"
+    )  # fmt: skip
+    if replayed:
+        cols = (*cols, "retried")
     for col in cols:
         table.add_column(col, justify="left" if col == "model" else "right")
     rows = dict(summary["by_model"])  # type: ignore[call-overload]
@@ -96,8 +118,44 @@ def simulate_cmd(
             f"{100 * r['slo_attainment']:.1f}%",
             f"{_ms(r['ttft_p50_ms'], 0)} / {_ms(r['ttft_p99_ms'], 0)}",
             f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
+            *([str(r.get("retried", 0))] if replayed else []),
         )
     out.print(table)
+
+
+def _outages(
+    plan: Any,
+    fleet: Any,
+    perf: Any,
+    duration: float,
+    seed: int,
+    path: Path | None,
+    scale: float,
+) -> list[Any]:
+    """The spot outages to replay: from `path`, or sampled at `scale` x the market's rates."""
+    # Deferred to when the command runs (numpy and the market).
+    from solver.catalog.market import SpotTerms, build_market
+    from solver.simulation.preemption import load_outages, sample_outages
+
+    if path is not None and scale > 0:
+        raise InputError(
+            "--outages", "give --outages or --preemptions, not both", "drop one of them"
+        )
+    boot_s = fleet.allocation.boot_minutes * 60
+    if path is not None:
+        return load_outages(path, boot_s, {i.key for i in plan.instances})
+    if scale <= 0:
+        return []
+    spot = build_market(fleet.market_scope(), perf.catalog).spot
+    stressed = {
+        slot: SpotTerms(
+            t.usd_per_hour,
+            t.zones,
+            t.preemption.model_copy(update={"rate_per_hour": t.preemption.rate_per_hour * scale}),
+        )
+        for slot, t in spot.items()
+    }
+    return sample_outages(plan.instances, stressed, duration, boot_s, seed)
 
 
 def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:

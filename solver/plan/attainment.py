@@ -11,7 +11,9 @@ verification on requests the planner never saw.
 3. **Verification**: the final plan simulated for `attainment.verify_minutes` on the
    verification workload (other seeds, or the trace's other blocks). Its attainment per model is
    the plan's claim; `coral plan --strict` exits 3 and the Pulumi program refuses a plan below
-   target unless the stack sets `attainment.accept_below_target`.
+   target unless the stack sets `attainment.accept_below_target`. A plan with spot instances is
+   also simulated on that workload with one zone's spot instances taken back at once, for each
+   of its zones (`ModelAttainment.under_preemption`, the lowest; a report beside the claim).
 
 Scarce plans (served fraction < 1) are simulated at the demand they serve.
 """
@@ -41,6 +43,7 @@ from solver.serving.executors import map_in_processes
 from solver.serving.instance_model import InstanceModel
 from solver.serving.library import Library
 from solver.serving.serving_template import ServingTemplate
+from solver.simulation.preemption import zone_losses
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import Trace
@@ -634,6 +637,33 @@ class Simulations:
 
 
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
+ZONE_LOSS_AT = 1 / 3  # where in the verification window a zone's spot instances are taken
+
+
+def under_preemption(
+    plan: Plan, scope: AttainmentScope, perf: PerfModel, duration_s: float, root: Path | None
+) -> dict[str, float]:
+    """Model -> its lowest attainment on the verification workload (as `simulate_workload`
+    builds it) with every spot instance of one zone taken back at once, a third into the window
+    (warm queues), each replacement serving `scope.boot_minutes` later; the lowest over the
+    plan's spot zones (`zone_losses`). This is the correlated loss the plan's zone spread
+    (`allocation.spot.zone_loss_serves`) pays spare capacity for; at the shipped preemption
+    rates a sampled window of half an hour almost never holds a preemption, so sampling them
+    (`sample_outages`, `coral simulate --preemptions`) would report the verified share again.
+    Only the models that run a spot instance; {} when none does."""
+    spot_models = {i.model for i in plan.instances if i.is_spot}
+    if not spot_models or scope.boot_minutes is None:
+        return {}
+    traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root)
+    traces = {m: t for m, t in traces.items() if m in spot_models}
+    worst: dict[str, float] = {}
+    losses = zone_losses(plan.instances, duration_s * ZONE_LOSS_AT, scope.boot_minutes * 60)
+    for outages in losses.values():
+        result = simulate(plan, scope.models, perf, traces, duration_s, outages)
+        for m, r in result.models.items():
+            met = float(r.met.mean()) if len(r.met) else 1.0
+            worst[m] = min(worst.get(m, 1.0), met)
+    return worst
 
 
 def verify_plan(
@@ -652,10 +682,13 @@ def verify_plan(
     # Trace-backed models are also replayed on their whole trace: a verification window that
     # the hour as a whole contradicts is said, not hidden (`ModelAttainment.replay_gap`).
     traced = {m for m, spec in scope.models.items() if trace_of(spec) is not None}
+    has_spot = any(i.is_spot for i in plan.instances)
     if progress and minutes > 0:
         whole_trace = f", and {', '.join(sorted(traced))} on the whole trace" if traced else ""
+        preempted = ", and again without each spot zone" if has_spot else ""
         progress(
-            f"verifying the plan on {minutes:g} min of traffic it was not planned on{whole_trace}"
+            f"verifying the plan on {minutes:g} min of traffic it was not planned on"
+            f"{whole_trace}{preempted}"
         )
     with timing.phase("verification"):
         sim = sims.run(plan, scope.models, "verify", minutes * 60) if minutes > 0 else {}
@@ -663,6 +696,9 @@ def verify_plan(
             sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced)
             if minutes > 0 and traced
             else {}
+        )
+        preempted_att = (
+            under_preemption(plan, scope, perf, minutes * 60, root) if minutes > 0 else {}
         )
     rows = []
     for model, spec in sorted(scope.models.items()):
@@ -682,6 +718,7 @@ def verify_plan(
             if r is not None and len(r.arrival_s)
             else 0.0,
             headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
+            under_preemption=round(preempted_att[model], 4) if model in preempted_att else None,
         )
         # The cause comes from the run the row is judged by (`ModelAttainment.judged`).
         whole_lower = row.replayed is not None and row.judged == row.replayed != row.verified

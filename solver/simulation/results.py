@@ -19,6 +19,7 @@ class ModelResult:
     slo_tpot_ms: float
     max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
     prefill_done_s: np.ndarray | None = None  # disaggregated: when prefill finished
+    retried: int = 0  # requests cut by a spot preemption and retried on another instance
 
     @property
     def ttft_ms(self) -> np.ndarray:
@@ -69,5 +70,10 @@ class SimResult:
             }
 
         out: dict[str, object] = dict(stats(list(self.models.values())))
-        out["by_model"] = {m: stats([r]) for m, r in sorted(self.models.items())}
+        by_model = {m: stats([r]) for m, r in sorted(self.models.items())}
+        if any(r.retried for r in self.models.values()):  # only where preemptions cut some
+            out["retried"] = sum(r.retried for r in self.models.values())
+            for m, r in self.models.items():
+                by_model[m]["retried"] = r.retried
+        out["by_model"] = by_model
         return out

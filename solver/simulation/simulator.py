@@ -28,6 +28,14 @@ What is modelled:
   latency. The decode instance streams every output token, so TTFT ends at decode's first token.
 - **Routing** is the paper's: smooth weighted round-robin across a (model, phase)'s instances,
   with weights = template throughput.
+- **Spot preemptions** (`outages`, `solver.simulation.preemption`): an instance that is down
+  takes no requests (the round-robin skips it), and the requests in flight on it when it goes
+  down are retried on an instance of their phase that is up, arriving there at the outage (or,
+  when none is up, when the first comes back; a miss when none does within the window). A retry
+  starts over (a new prefill; in disaggregated decode, the KV moved again), and its TTFT and
+  latency still count from the request's arrival. The replacement instance serves again, empty,
+  from the outage's `up_s`. Outages are resolved in time order (`_replay`), so each cut is the
+  one the requests routed before it cause.
 
 Per request: TTFT, TPOT = (finish - first token) / (output - 1), end-to-end latency, and whether
 both SLOs are met (TTFT <= prefill SLO, TPOT <= decode SLO). Goodput = output tokens/s of the
@@ -40,13 +48,16 @@ from __future__ import annotations
 import heapq
 import math
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
+from solver.errors import InputError
 from solver.performance.perf_model import PerfModel
 from solver.plan_schema import Plan, template_ref
 from solver.serving.instance_model import InstanceModel
+from solver.simulation.preemption import Outage, serving_periods
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.traces import Trace, WorkloadShape, generate_trace
 from solver.stack import ModelSpec
@@ -285,15 +296,213 @@ def _prefill_only(inst: InstanceModel, arrival: np.ndarray, prompt: np.ndarray) 
     return finish
 
 
+Passed = tuple[np.ndarray, np.ndarray, int]  # first token, finish, peak KV tokens
+PassFn = Callable[[int, np.ndarray, np.ndarray], Passed]
+"""One instance's pass: (its index in the phase, the requests it is given in routing order, when
+each may start there) -> (first token, finish, peak KV) per request given. Where requests start
+when routed (aggregated, prefill), the starts are in order."""
+
+
+@dataclass(frozen=True)
+class _Life:
+    """One instance of a phase (by index) serving from `start_s` until `end_s`: until its first
+    outage, or its replacement from an outage's up time until the next (or inf). Each life
+    starts empty."""
+
+    instance: int
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True)
+class _Replayed:
+    first: np.ndarray  # each request's first token (its last attempt's)
+    finish: np.ndarray
+    retried: np.ndarray  # bool: cut by an outage at least once
+    peaks: dict[int, int]  # instance index -> peak KV tokens over its lives
+
+
+def _replay(
+    weights: list[float],
+    periods: list[list[tuple[float, float]]],
+    enter: np.ndarray,
+    run: PassFn,
+    duration_s: float,
+    ready: np.ndarray | None = None,
+) -> _Replayed:
+    """One (model, phase)'s requests on instances that go down and come back (`periods`: each
+    instance's serving periods, `serving_periods`). Each request is routed at `enter` and its
+    work there starts at `ready` (default `enter`; disaggregated decode: routed at arrival, as
+    without outages, the KV arriving after its prefill; inf: it never gets there, a miss).
+
+    Each attempt (a leg) is routed at its entry by smooth WRR over the instances up then (one
+    that is down is skipped, its current value kept), in order of entry then request, and runs
+    on that instance's current life. With none up it waits for the next to come up (a miss when
+    none does before `duration_s`). The outages are taken in time order: at each down time d,
+    the legs on the lives ending at d that have not finished by d are cut, and their requests
+    enter again at d (their work starting at d, or at `ready` when later). Routing and every pass
+    are causal (what happens before d depends only on legs entering before d), so the legs a
+    later cut adds never change an earlier cut: one round per down time, each rerunning only the
+    lives whose legs changed. A request counts as retried when a leg whose work had started is
+    cut."""
+    ready = enter if ready is None else ready
+    lives = [_Life(k, s, e) for k, spans in enumerate(periods) for s, e in spans]
+    bounds = np.array(sorted({t for lf in lives for t in (lf.start_s, lf.end_s) if t < math.inf}))
+    # The lives up in each span between bounds: span i is [bounds[i-1], bounds[i]).
+    live_in = [
+        [j for j, lf in enumerate(lives) if lf.start_s <= t < lf.end_s]
+        for t in [-math.inf, *bounds.tolist()]
+    ]
+    # Where a leg entering in span i is routed: then, or when the next span with a life up opens.
+    opens: list[float] = [math.inf] * len(live_in)
+    following = math.inf
+    for i in range(len(live_in) - 1, -1, -1):
+        if live_in[i]:
+            following = -math.inf if i == 0 else float(bounds[i - 1])
+        opens[i] = following
+    leg_req: list[int] = list(range(len(enter)))
+    leg_at: list[float] = enter.tolist()  # routed at
+    leg_ready: list[float] = ready.tolist()  # its work may start at
+    passes: dict[tuple[int, tuple[int, ...]], Passed] = {}
+    cut: set[int] = set()
+    retried: set[int] = set()
+    for d in [*sorted({lf.end_s for lf in lives if lf.end_s < math.inf}), math.inf]:
+        span = np.searchsorted(bounds, leg_at, side="right").tolist()
+        at = [
+            t if live_in[i] else (opens[i] if opens[i] < duration_s else math.inf)
+            for t, i in zip(leg_at, span, strict=True)
+        ]
+        span = np.searchsorted(bounds, at, side="right").tolist()
+        current = [0.0] * len(weights)
+        on: dict[int, list[int]] = {}  # life -> its legs, in routing order
+        for leg in sorted(range(len(at)), key=lambda g: (at[g], leg_req[g])):
+            if at[leg] == math.inf:
+                continue
+            up = live_in[span[leg]]
+            best, top = -1, -math.inf
+            for j in up:
+                k = lives[j].instance
+                v = current[k] = current[k] + weights[k]
+                if v > top:
+                    best, top = j, v
+            current[lives[best].instance] -= sum(weights[lives[j].instance] for j in up)
+            on.setdefault(best, []).append(leg)
+        start = [max(t, r) for t, r in zip(at, leg_ready, strict=True)]
+        first = np.full(len(at), math.inf)
+        finish = np.full(len(at), math.inf)
+        peaks: dict[int, int] = {}
+        for j, legs in sorted(on.items()):
+            key = (j, tuple(legs))
+            if key not in passes:
+                reqs = np.array([leg_req[g] for g in legs], dtype=np.int64)
+                passes[key] = run(lives[j].instance, reqs, np.array([start[g] for g in legs]))
+            fst, fin, peak = passes[key]
+            first[legs], finish[legs] = fst, fin
+            k = lives[j].instance
+            peaks[k] = max(peaks.get(k, 0), peak)
+        if d == math.inf:
+            break
+        for j, legs in sorted(on.items()):
+            if lives[j].end_s != d:
+                continue
+            for g in legs:
+                if g not in cut and finish[g] > d and start[g] < math.inf:
+                    cut.add(g)
+                    if start[g] < d:
+                        retried.add(leg_req[g])
+                    leg_req.append(leg_req[g])
+                    leg_at.append(d)
+                    leg_ready.append(max(d, leg_ready[g]))
+    n = len(enter)
+    last = np.arange(n)  # each request's last leg: the one that counts
+    for g in range(n, len(leg_req)):
+        last[leg_req[g]] = g
+    gone = np.zeros(n, dtype=bool)
+    gone[sorted(retried)] = True
+    return _Replayed(first[last], finish[last], gone, peaks)
+
+
+def _engine_runner(instances: list[InstanceModel], trace: Trace) -> PassFn:
+    """Aggregated instances: the engine on the requests given."""
+
+    def run(k: int, idx: np.ndarray, at: np.ndarray) -> Passed:
+        inst = instances[k]
+        return engine_pass(
+            inst, at, trace.prompt[idx], trace.output[idx], inst.max_batched_tokens,
+            inst.max_running,
+        )  # fmt: skip
+
+    return run
+
+
+def _prefill_runner(instances: list[InstanceModel], trace: Trace) -> PassFn:
+    """Disaggregated prefill instances: done at the first token (the peak is not kept)."""
+
+    def run(k: int, idx: np.ndarray, at: np.ndarray) -> Passed:
+        done = _prefill_only(instances[k], at, trace.prompt[idx])
+        return done, done, 0
+
+    return run
+
+
+def _decode_runner(instances: list[InstanceModel], trace: Trace, hop_ms: float) -> PassFn:
+    """Disaggregated decode instances: each request's KV moves in from its start (the prefill's
+    end, or the outage it is retried at: the KV is assumed kept, not prefilled again), then
+    decode, as `simulate` does without outages (a request never prefilled never gets here)."""
+
+    def run(k: int, idx: np.ndarray, at: np.ndarray) -> Passed:
+        inst = instances[k]
+        kv_bits = trace.prompt[idx] * inst.kv_bytes_per_token * 8
+        transfer = hop_ms / 1e3 + kv_bits / (inst.network_gbps * 1e9)
+        ready = at + transfer
+        order = np.argsort(ready, kind="stable")
+        need = trace.output[idx][order]
+        has = (need > 0) & np.isfinite(ready[order])
+        first, finish = np.full(len(idx), math.inf), at.astype(np.float64)
+        finish[order[has]] = math.inf
+        peak = 0
+        if has.any():
+            fst, fin, peak = _decode_pass(
+                inst, ready[order][has], (trace.prompt + trace.output)[idx][order][has], need[has]
+            )
+            first[order[has]], finish[order[has]] = fst, fin
+        return first, finish, peak
+
+    return run
+
+
+def _periods_of(
+    keys: list[str], periods: dict[str, list[tuple[float, float]]]
+) -> list[list[tuple[float, float]]] | None:
+    """Each instance's serving periods, in `keys`' order; None when none has an outage."""
+    if not any(k in periods for k in keys):
+        return None
+    return [periods.get(k, [(-math.inf, math.inf)]) for k in keys]
+
+
 def simulate(
     plan: Plan,
     models: Mapping[str, ModelSpec],
     perf: PerfModel,
     traces: dict[str, Trace],
     duration_s: float,
+    outages: Sequence[Outage] = (),
 ) -> SimResult:
     """Simulate every model's trace on the plan's instances (`models`: the stack's model
-    specs, by name)."""
+    specs, by name). `outages`: spot preemptions to replay (`solver.simulation.preemption`;
+    module doc); a (model, phase) none of whose instances has one runs as without them.
+
+    Raises:
+        InputError: an outage of an instance the plan does not have.
+    """
+    periods = serving_periods(outages)
+    unknown = sorted(set(periods) - {i.key for i in plan.instances})
+    if unknown:
+        raise InputError(
+            "outages",
+            f"{len(unknown)} instance(s) not in the plan, e.g. {unknown[0]}",
+            "give outages of the simulated plan's instances (its instances[].key)",
+        )
     results = {}
     for model, trace in sorted(traces.items()):
         spec = models[model]
@@ -316,7 +525,15 @@ def simulate(
         pre = by_phase.get("prefill", [])
         dec = by_phase.get("decode", [])
         agg = by_phase.get("aggregated", [])
-        if agg:
+        retried = np.zeros(n, dtype=bool)
+        if agg and (agg_lives := _periods_of(names["aggregated"], periods)) is not None:
+            r = _replay(
+                [i.throughput for i in agg], agg_lives, trace.arrival_s,
+                _engine_runner(agg, trace), duration_s,
+            )  # fmt: skip
+            first, finish, retried = r.first, r.finish, r.retried
+            peaks.update({names["aggregated"][k]: r.peaks.get(k, 0) for k in range(len(agg))})
+        elif agg:
             route = smooth_wrr([i.throughput for i in agg], n)
             for k, agg_inst in enumerate(agg):
                 mine = np.flatnonzero(route == k)
@@ -331,40 +548,56 @@ def simulate(
                 first[mine], finish[mine] = fst, fin
                 peaks[names["aggregated"][k]] = peak
         elif pre and dec:
-            route = smooth_wrr([i.throughput for i in pre], n)
-            prefill_done = np.full(n, np.inf)
-            for k, pre_inst in enumerate(pre):
-                mine = np.flatnonzero(route == k)
-                prefill_done[mine] = _prefill_only(
-                    pre_inst, trace.arrival_s[mine], trace.prompt[mine]
-                )
+            if (pre_lives := _periods_of(names["prefill"], periods)) is not None:
+                r = _replay(
+                    [i.throughput for i in pre], pre_lives, trace.arrival_s,
+                    _prefill_runner(pre, trace), duration_s,
+                )  # fmt: skip
+                prefill_done, retried = r.finish, r.retried
+            else:
+                route = smooth_wrr([i.throughput for i in pre], n)
+                prefill_done = np.full(n, np.inf)
+                for k, pre_inst in enumerate(pre):
+                    mine = np.flatnonzero(route == k)
+                    prefill_done[mine] = _prefill_only(
+                        pre_inst, trace.arrival_s[mine], trace.prompt[mine]
+                    )
             # vLLM's PD proxy: prefill runs with max_tokens=1, the KV moves, and the decode
             # instance streams every output token, so the client's first token is decode's first.
             need = trace.output
-            droute = smooth_wrr([i.throughput for i in dec], n)
-            for k, dec_inst in enumerate(dec):
-                mine = np.flatnonzero(droute == k)
-                kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
-                transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
-                    dec_inst.network_gbps * 1e9
-                )
-                ready = prefill_done[mine] + transfer
-                order = np.argsort(ready, kind="stable")
-                idx = mine[order]
-                # A prompt its prefill instance could never hold never reaches decode (a miss).
-                has = (need[idx] > 0) & np.isfinite(ready[order])
-                f = np.where(has, np.inf, prefill_done[idx])
-                if has.any():
-                    fst, fin, peak = _decode_pass(
-                        dec_inst,
-                        ready[order][has],
-                        (trace.prompt + trace.output)[idx][has],
-                        need[idx][has],
+            if (dec_lives := _periods_of(names["decode"], periods)) is not None:
+                hop_ms = perf.settings.hop_latency_ms
+                r = _replay(
+                    [i.throughput for i in dec], dec_lives, trace.arrival_s,
+                    _decode_runner(dec, trace, hop_ms), duration_s, prefill_done,
+                )  # fmt: skip
+                first, finish, retried = r.first, r.finish, retried | r.retried
+                peaks.update({names["decode"][k]: r.peaks.get(k, 0) for k in range(len(dec))})
+            else:
+                droute = smooth_wrr([i.throughput for i in dec], n)
+                for k, dec_inst in enumerate(dec):
+                    mine = np.flatnonzero(droute == k)
+                    kv_bits = trace.prompt[mine] * dec_inst.kv_bytes_per_token * 8
+                    transfer = perf.settings.hop_latency_ms / 1e3 + kv_bits / (
+                        dec_inst.network_gbps * 1e9
                     )
-                    f[has] = fin
-                    first[idx[has]] = fst
-                    peaks[names["decode"][k]] = peak
-                finish[idx] = f
+                    ready = prefill_done[mine] + transfer
+                    order = np.argsort(ready, kind="stable")
+                    idx = mine[order]
+                    # A prompt its prefill instance could never hold never reaches decode (a miss).
+                    has = (need[idx] > 0) & np.isfinite(ready[order])
+                    f = np.where(has, np.inf, prefill_done[idx])
+                    if has.any():
+                        fst, fin, peak = _decode_pass(
+                            dec_inst,
+                            ready[order][has],
+                            (trace.prompt + trace.output)[idx][has],
+                            need[idx][has],
+                        )
+                        f[has] = fin
+                        first[idx[has]] = fst
+                        peaks[names["decode"][k]] = peak
+                    finish[idx] = f
         results[model] = ModelResult(
             model,
             trace.arrival_s,
@@ -375,6 +608,7 @@ def simulate(
             spec.slo_ms.decode,
             peaks,
             prefill_done,
+            int(retried.sum()),
         )
     return SimResult(duration_s, results)
 

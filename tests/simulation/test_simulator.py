@@ -281,6 +281,19 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
     ):
         assert key in data
     assert data["requests"] == data["finished"] > 0
+    assert "retried" not in data
+    # A trace of outages: every instance of the plan down from 40 s to 70 s. The requests in
+    # flight then are retried once they are back, and fewer requests meet their SLOs.
+    keys = [i["key"] for i in json.loads(plan_file.read_text())["instances"]]
+    outages = tmp_path / "outages.csv"
+    outages.write_text("instance,down_s,up_s\n" + "".join(f"{k},40,70\n" for k in keys))
+    cut = ["simulate", "--stack", "dev", "--plan", str(plan_file), "--duration", "120"]
+    r = runner.invoke(app, [*cut, "--json", "--outages", str(outages)])
+    assert r.exit_code == 0, r.output
+    lost = json.loads(r.stdout)
+    assert lost["retried"] > 0 and lost["slo_attainment"] < data["slo_attainment"]
+    r = runner.invoke(app, [*cut, "--outages", str(outages), "--preemptions", "2"])
+    assert r.exit_code != 0 and "give --outages or --preemptions, not both" in r.output
     r = runner.invoke(
         app,
         ["simulate", "--stack", "dev", "--plan", str(plan_file), "--duration", "120"]
