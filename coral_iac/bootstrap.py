@@ -50,6 +50,13 @@ UV_VERSION = "0.13.9"  # installs the runtime Python where the image's is too ol
 # What `hf download` fetches: weights, config and tokenizer files only.
 DOWNLOAD_INCLUDE = ["*.safetensors", "*.json", "tokenizer*", "*.tiktoken", "*.model", "*.txt"]
 DOWNLOAD_EXCLUDE = ["original/*", "metal/*", "*.gguf"]
+# A spot node's interruption handler (templates/node-interruption.sh.j2): how often it asks the
+# metadata service, the notice each cloud gives before it takes the node back (EC2's
+# instance-action two minutes ahead; GCE's preemption 30 s), and the most its drain may wait
+# within that notice, leaving the rest for the poll, the firewall rule and stopping vLLM.
+INTERRUPTION_POLL_S = 5
+SPOT_NOTICE_S = {"aws": 120, "gcp": 30}
+SPOT_DRAIN_S = {"aws": 90, "gcp": 20}
 
 
 def secret_name(cloud: str, name: str) -> str:
@@ -77,6 +84,7 @@ def node_boots(
     api_port: int,
     hf_token_secret: str,
     api_key_secret: str | None = None,
+    market: Literal["on-demand", "spot"] = "on-demand",
 ) -> list[NodeBoot]:
     """One boot spec per node of the template (master_addr left '' for the Pulumi program).
 
@@ -96,6 +104,8 @@ def node_boots(
             aggregated and prefill/decode alike; a decode node's vllm-router gets it as
             OPENAI_API_KEY (read at boot, never in user-data). The program sets it
             (`deploy.api_key_secret`) only for a fleet without a gateway, which checks it alone.
+        market: the plan instance's market; a spot instance's nodes run the interruption
+            handler (`render_interruption_script`).
 
     Returns:
         One `NodeBoot` per node that runs vLLM processes.
@@ -130,6 +140,7 @@ def node_boots(
             ports=allocate_ports(api_port),
             hf_token_secret=secret_name(cloud, hf_token_secret),
             api_key_secret=secret_name(cloud, api_key_secret) if api_key_secret else None,
+            market=market,
         )
         for k in range(len(template.nodes))
         if procs.get(k)
@@ -226,8 +237,41 @@ def render_start_script(boot: NodeBoot) -> str:
     )
 
 
+def interruption_ports(boot: NodeBoot) -> list[int]:
+    """The ports other hosts open new connections to on this node, which its interruption
+    handler closes on notice: on the head, the public port where the gateway connects (an
+    aggregated vLLM, or a decode node's vllm-router, whose own decode vLLM it reaches on
+    loopback), or a prefill's vLLM port, where the decode routers connect. None on a node
+    without rank 0: its ranks talk to the head (torch.distributed, NCCL) until the end."""
+    if not boot.is_head:
+        return []
+    return [boot.ports.api if boot.router else boot.http_port]
+
+
+def vllm_units(boot: NodeBoot) -> list[str]:
+    """The node's systemd units: one `coral-vllm@<k>` per process, and the router's."""
+    units = [f"coral-vllm@{k}.service" for k in range(len(boot.processes))]
+    return units + (["coral-vllm@router.service"] if boot.router else [])
+
+
+def render_interruption_script(boot: NodeBoot) -> str:
+    """A spot node's interruption handler, for its cloud's metadata service and notice."""
+    return (
+        _environment()
+        .get_template("node-interruption.sh.j2")
+        .render(
+            boot=boot,
+            poll_s=INTERRUPTION_POLL_S,
+            notice_s=SPOT_NOTICE_S[boot.cloud],
+            drain_s=SPOT_DRAIN_S[boot.cloud],
+            ports=interruption_ports(boot),
+            units=vllm_units(boot),
+        )
+    )
+
+
 def render_user_data(boot: NodeBoot, master_addr: str) -> str:
-    """`#cloud-config` user-data of one node."""
+    """`#cloud-config` user-data of one node (a spot node's adds its interruption handler)."""
     return (
         _environment()
         .get_template("cloud-config.yaml.j2")
@@ -240,5 +284,7 @@ def render_user_data(boot: NodeBoot, master_addr: str) -> str:
             master_addr=master_addr,
             start_script=render_start_script(boot),
             drain_script=_environment().get_template("node-drain.sh.j2").render(boot=boot),
+            interruption_script=render_interruption_script(boot) if boot.is_spot else "",
+            drain_s=SPOT_DRAIN_S[boot.cloud],
         )
     )

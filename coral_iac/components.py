@@ -4,6 +4,10 @@ Every node is an `aws.ec2.Instance` or `gcp.compute.Instance` through its region
 provider. Each boots from user-data rendered by `coral_iac/bootstrap.py`. The head node (node
 rank 0) is declared first, and its private IP flows into the other nodes' user-data as an
 Output. Logical names come from the stable replica key, so an unchanged replica never changes.
+
+A spot replica's nodes are spot capacity (`SPOT_MARKET` on AWS, `SPOT_SCHEDULING` on GCP), in
+its plan's zone, tagged `coral:market: spot`; their user-data adds the interruption handler.
+An on-demand replica's nodes are declared without any of it, exactly as before spot existed.
 """
 
 from __future__ import annotations
@@ -20,6 +24,24 @@ from coral_iac.bootstrap import render_user_data, slug
 from coral_iac.engine_args import NodeBoot, Ports, RouterSpec
 from coral_iac.infra import Identity, Region
 from solver.catalog.offers import Offer
+
+# AWS spot: a one-time request whose instance terminates when EC2 takes it back, so Pulumi
+# declares it again (a new request) instead of a stopped node waiting for capacity.
+SPOT_MARKET = aws.ec2.InstanceInstanceMarketOptionsArgs(
+    market_type="spot",
+    spot_options=aws.ec2.InstanceInstanceMarketOptionsSpotOptionsArgs(
+        instance_interruption_behavior="terminate", spot_instance_type="one-time"
+    ),
+)
+# GCP Spot VM, deleted when preempted (as AWS's terminate). GCE requires TERMINATE on host
+# maintenance and no automatic restart for it.
+SPOT_SCHEDULING = gcp.compute.InstanceSchedulingArgs(
+    provisioning_model="SPOT",
+    preemptible=True,
+    automatic_restart=False,
+    on_host_maintenance="TERMINATE",
+    instance_termination_action="DELETE",
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +63,7 @@ class ServingInstanceArgs:
     subnet_id: pulumi.Input[str] | None = None  # AWS: the zone's subnet (`Infra.aws_node_subnet`)
     gcp_zones: list[str] | None = None  # GCP: each node's zone, as offers (`gcp_node_zones`)
     image: str | None = None  # the boot image this replica keeps (None: its region's)
+    spot: bool = False  # spot capacity (`Instance.market`): `SPOT_MARKET` / `SPOT_SCHEDULING`
 
 
 class ServingInstance(pulumi.ComponentResource):
@@ -98,7 +121,9 @@ def _user_data(
 
 
 def _tags(args: ServingInstanceArgs, boot: NodeBoot) -> dict[str, str]:
-    """The node's `coral:*` tags (AWS tags; GCP labels after `gcp_label`)."""
+    """The node's `coral:*` tags (AWS tags; GCP labels after `gcp_label`); `coral:market` on
+    spot nodes only, so on-demand nodes keep the tags they were declared with."""
+    market = {"coral:market": "spot"} if args.spot else {}
     return {
         "coral:stack": args.stack,
         "coral:model": args.model,
@@ -107,7 +132,7 @@ def _tags(args: ServingInstanceArgs, boot: NodeBoot) -> dict[str, str]:
         "coral:replica": args.replica_key,
         "coral:node": str(boot.node_index),
         "coral:stages": ",".join(str(p.rank) for p in boot.processes),
-    }
+    } | market
 
 
 def _aws_node(
@@ -119,7 +144,8 @@ def _aws_node(
     disk_gb: int,
     opts: pulumi.ResourceOptions,
 ) -> aws.ec2.Instance:
-    """One EC2 node: IMDSv2 only, an encrypted gp3 root volume sized for the weights."""
+    """One EC2 node: IMDSv2 only, an encrypted gp3 root volume sized for the weights; spot
+    capacity for a spot replica."""
     return aws.ec2.Instance(
         name,
         ami=args.image or args.region.image,
@@ -129,6 +155,7 @@ def _aws_node(
         iam_instance_profile=args.identity.aws_instance_profile,
         user_data=user_data,
         user_data_replace_on_change=True,
+        instance_market_options=SPOT_MARKET if args.spot else None,
         metadata_options={
             "http_tokens": "required",
             "http_endpoint": "enabled",
@@ -150,7 +177,8 @@ def _gcp_node(
     disk_gb: int,
     opts: pulumi.ResourceOptions,
 ) -> gcp.compute.Instance:
-    """One Compute Engine node; an N1 offer such as "n1-standard-4+1xT4" attaches its GPUs."""
+    """One Compute Engine node; an N1 offer such as "n1-standard-4+1xT4" attaches its GPUs; a
+    Spot VM for a spot replica."""
     machine, _, accelerator = offer.instance_type.partition("+")
     guest: list[gcp.compute.InstanceGuestAcceleratorArgs] = []
     if accelerator:  # N1 + attached GPUs, e.g. "n1-standard-4+1xT4"
@@ -178,7 +206,9 @@ def _gcp_node(
                 access_configs=[gcp.compute.InstanceNetworkInterfaceAccessConfigArgs()],
             )
         ],
-        scheduling=gcp.compute.InstanceSchedulingArgs(
+        scheduling=SPOT_SCHEDULING
+        if args.spot
+        else gcp.compute.InstanceSchedulingArgs(
             on_host_maintenance="TERMINATE", automatic_restart=True
         ),
         guest_accelerators=guest,

@@ -211,6 +211,15 @@ class NodeBoot(BaseModel):
         default=None, description="Secret-manager name of the API key (None: no key)."
     )
     router: RouterSpec | None = None
+    market: Literal["on-demand", "spot"] = Field(
+        default="on-demand",
+        description="spot: the cloud may take the node back, so it runs the interruption "
+        "handler (templates/node-interruption.sh.j2).",
+    )
+
+    @property
+    def is_spot(self) -> bool:
+        return self.market == "spot"
 
     @property
     def kv_role(self) -> str | None:

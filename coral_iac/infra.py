@@ -2,10 +2,12 @@
 
 - AWS, per region: an explicit provider, the Deep Learning AMI id from its public SSM
   parameter, and a VPC with one public subnet (nodes download weights; inbound traffic is
-  limited by security groups). Per stack: an IAM role and instance profile that may read only
-  the Hugging Face token secret.
+  limited by security groups), plus one per zone the GPU nodes use: by zone name for
+  on-demand replicas, by AZ ID for spot ones (`ZONE_LETTER_SLOTS`). Per stack: an IAM role and
+  instance profile that may read only the Hugging Face token secret.
 - GCP, per region: an explicit provider and a subnetwork of the stack's network (regional), and
-  per node a zone that sells its machine type (`gcp_node_zones`, from the catalog's `zones`).
+  per node a zone that sells its machine type (`gcp_node_zones`, from the catalog's `zones`),
+  or for a spot replica the plan's zone (`spot_zone`).
   Per stack: the network, and a service account with secretAccessor on the token secret only.
 - Per (model, region), a security group or firewall rules. Nodes of one model in one region
   reach each other on every port: vLLM's NCCL, ZMQ and NIXL ports are dynamic, and a prefill
@@ -53,6 +55,14 @@ EC2_ASSUME_ROLE = json.dumps(
     }
 )
 
+# Subnet slots: an AWS region's VPC, 10.<region>.0.0/16, holds sixteen /20 subnets, at third
+# octet 16 x slot. Slot 0 is the region's own subnet (the gateway's); slots 1-7 the zone-letter
+# subnets of on-demand replicas, zone a-g (`Infra.aws_node_subnet`); slots 8-15 the zone-ID
+# subnets of spot replicas, az1-az8 (`Infra.aws_spot_subnet`). Disjoint ranges, so a zone's
+# letter subnet and its ID subnet never overlap, whichever physical zone a letter names.
+ZONE_LETTER_SLOTS = 7
+ZONE_ID_SLOTS = 8
+
 # The URN every child of `Infra` had before `Infra` was a component: the same type and name at
 # the stack's root. Without it, the new parent changes each URN and `pulumi up` would replace
 # every network, identity and provider, and with the providers every node.
@@ -73,9 +83,12 @@ class Region:
     groups: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # model -> SG id / tag
     index: int = 0  # the region's place in coral:fleet.regions (its CIDR block)
     routes: pulumi.Output[str] | None = None  # AWS route table id
-    zone_subnets: dict[str, pulumi.Output[str]] = field(default_factory=dict)  # AWS AZ -> subnet
-    # AWS, read once per region: its zones, and the zones each instance type is offered in.
+    # AWS AZ name, or AZ ID for spot replicas (`aws_spot_subnet`) -> subnet
+    zone_subnets: dict[str, pulumi.Output[str]] = field(default_factory=dict)
+    # AWS, read once per region: its zones, their AZ IDs (ID -> name), and the zones each
+    # instance type is offered in.
     zones: list[str] | None = None
+    zone_names: dict[str, str] = field(default_factory=dict)
     offered: dict[str, set[str]] = field(default_factory=dict)
 
 
@@ -231,31 +244,14 @@ class Infra(pulumi.ComponentResource):
         that offers every one of its instance types (EC2's instance type offerings), so a
         launch never fails with "not supported in your requested Availability Zone" (a
         region's default subnet sits in a zone AWS picks). One subnet per zone, created on
-        first use, 10.<region>.<16 (k + 1)>.0/20 for zone letter k.
+        first use, 10.<region>.<16 (k + 1)>.0/20 for zone letter k (a-g; `ZONE_LETTER_SLOTS`).
 
         Raises:
-            pulumi.RunError: no zone of the region offers all of them.
+            pulumi.RunError: no zone of the region offers all of them, or the one that does is
+                past letter g.
         """
-        invoke = pulumi.InvokeOptions(provider=r.provider)
         types = sorted(set(instance_types))
-        if r.zones is None:
-            r.zones = list(
-                aws.get_availability_zones(
-                    state="available",
-                    filters=[{"name": "opt-in-status", "values": ["opt-in-not-required"]}],
-                    opts=invoke,
-                ).names
-            )
-        if missing := [t for t in types if t not in r.offered]:
-            offered = aws.ec2.get_instance_type_offerings(
-                location_type="availability-zone",
-                filters=[{"name": "instance-type", "values": missing}],
-                opts=invoke,
-            )
-            r.offered.update({t: set() for t in missing})
-            for t, zone in zip(offered.instance_types, offered.locations, strict=True):
-                r.offered[t].add(zone)
-        zones, where = r.zones, r.offered
+        zones, where = self._aws_zones(r), self._aws_offered(r, types)
         fit = sorted(z for z in zones if all(z in where[t] for t in types))
         if not fit:
             raise pulumi.RunError(
@@ -265,14 +261,95 @@ class Infra(pulumi.ComponentResource):
                 "coral:fleet.availability for this region)"
             )
         zone = fit[0]
+        k = ord(zone[-1]) - ord("a")
+        if not 0 <= k < ZONE_LETTER_SLOTS:
+            raise pulumi.RunError(
+                f"availability zone {zone} of aws:{r.region} offers {', '.join(types)}, but "
+                f"Coral numbers subnets for zone letters a-{chr(ord('a') + ZONE_LETTER_SLOTS - 1)} "
+                "only (ZONE_LETTER_SLOTS in coral_iac/infra.py); plan without those node configs "
+                "there (coral:fleet.availability for this region)"
+            )
+        return self._aws_zone_subnet(r, zone, 1 + k)
+
+    def aws_spot_subnet(
+        self, r: Region, zone_id: str, instance_types: list[str]
+    ) -> pulumi.Output[str]:
+        """The subnet of a spot replica's AWS nodes: in the availability zone its plan names
+        (`Instance.zone`), an AZ ID such as use2-az1, as the SkyPilot catalog prices spot per
+        zone ID (a zone's name, us-east-2a, is a different physical zone in each account). One
+        subnet per zone ID, created on first use and declared by `availability_zone_id`, so no
+        name lookup stands between the plan and the launch. It may share its zone with a
+        zone-letter subnet (`aws_node_subnet`); their CIDRs never overlap: zone ID az<n> gets
+        10.<region>.<16 (n + 7)>.0/20 (n 1-8; `ZONE_ID_SLOTS`).
+
+        Raises:
+            pulumi.RunError: the zone ID is not one of the region's, its number is past 8, or
+                EC2 does not offer every one of the instance types there.
+        """
+        types = sorted(set(instance_types))
+        self._aws_zones(r)
+        if zone_id not in r.zone_names:
+            raise pulumi.RunError(
+                f"spot zone {zone_id} is not an availability zone of aws:{r.region} (its zone "
+                f"IDs: {', '.join(sorted(r.zone_names))}); plan again with `coral plan`, which "
+                "places spot instances in the catalog's spot zones of their region"
+            )
+        n = int(m.group(1)) if (m := re.fullmatch(r"[a-z0-9-]+-az(\d+)", zone_id)) else 0
+        if not 1 <= n <= ZONE_ID_SLOTS:
+            raise pulumi.RunError(
+                f"spot zone {zone_id} of aws:{r.region}: Coral numbers subnets for zone IDs az1-"
+                f"az{ZONE_ID_SLOTS} only (ZONE_ID_SLOTS in coral_iac/infra.py); plan without spot "
+                "(coral:fleet.allocation.spot.enabled: false)"
+            )
+        name, where = r.zone_names[zone_id], self._aws_offered(r, types)
+        if missing := [t for t in types if name not in where[t]]:
+            raise pulumi.RunError(
+                f"spot zone {zone_id} of aws:{r.region} ({name} in this account) does not offer "
+                f"{', '.join(missing)} (EC2's instance type offerings); refresh the catalog's "
+                "spot zones and plan again, or plan without spot "
+                "(coral:fleet.allocation.spot.enabled: false)"
+            )
+        return self._aws_zone_subnet(r, zone_id, ZONE_LETTER_SLOTS + n, by_id=True)
+
+    def _aws_zones(self, r: Region) -> list[str]:
+        """The region's availability zones by name (read once; `r.zone_names` maps their AZ IDs,
+        which the same call lists in the same order)."""
+        if r.zones is None:
+            found = aws.get_availability_zones(
+                state="available",
+                filters=[{"name": "opt-in-status", "values": ["opt-in-not-required"]}],
+                opts=pulumi.InvokeOptions(provider=r.provider),
+            )
+            r.zones = list(found.names)
+            r.zone_names = dict(zip(found.zone_ids, found.names, strict=True))
+        return r.zones
+
+    def _aws_offered(self, r: Region, types: list[str]) -> dict[str, set[str]]:
+        """Instance type -> the zones (by name) EC2 offers it in, read once per type."""
+        if missing := [t for t in types if t not in r.offered]:
+            offered = aws.ec2.get_instance_type_offerings(
+                location_type="availability-zone",
+                filters=[{"name": "instance-type", "values": missing}],
+                opts=pulumi.InvokeOptions(provider=r.provider),
+            )
+            r.offered.update({t: set() for t in missing})
+            for t, zone in zip(offered.instance_types, offered.locations, strict=True):
+                r.offered[t].add(zone)
+        return r.offered
+
+    def _aws_zone_subnet(
+        self, r: Region, zone: str, slot: int, by_id: bool = False
+    ) -> pulumi.Output[str]:
+        """The subnet `subnet-<zone>` in that zone (a name, or an AZ ID when `by_id`), the /20
+        at `slot` of the region's /16, with its route to the internet; declared on first use."""
         if zone not in r.zone_subnets:
-            k = ord(zone[-1]) - ord("a")
             opts = self._child(r.provider)
             subnet = aws.ec2.Subnet(
                 f"subnet-{zone}",
                 vpc_id=r.network,
-                availability_zone=zone,
-                cidr_block=f"10.{r.index}.{16 * (k + 1)}.0/20",
+                availability_zone=None if by_id else zone,
+                availability_zone_id=zone if by_id else None,
+                cidr_block=f"10.{r.index}.{16 * slot}.0/20",
                 map_public_ip_on_launch=True,
                 tags={"coral:stack": self.stack},
                 opts=opts,
@@ -498,6 +575,33 @@ def gcp_node_zones(region: str, offers: list[Offer], chosen: str | None = None) 
         return [common[0]] * len(offers)
     first = sorted(set.union(*recorded))[0]
     return [min(o.zones) if o.zones else first for o in offers]
+
+
+def spot_zone(key: str, zone: str | None, offers: list[Offer]) -> str:
+    """A spot replica's zone, where every one of its nodes runs: the plan's (`Instance.zone`; an
+    AZ ID on AWS, a zone name on GCP), checked against the catalog's spot zones of each offer,
+    so that a plan made from another catalog fails the preview rather than the launch.
+
+    Raises:
+        InputError: the instance names no zone, or the catalog lists no spot price for one of
+            its offers there.
+    """
+    where = f"plan instance {key}"
+    fix = (
+        "plan again with `coral plan`, which places spot instances in the catalog's spot "
+        "zones, or turn spot off (coral:fleet.allocation.spot.enabled: false)"
+    )
+    if zone is None:
+        raise InputError(where, "a spot instance with no zone", fix)
+    for o in offers:
+        if zone not in o.spot_zones:
+            raise InputError(
+                where,
+                f"spot zone {zone}: the catalog lists no spot price for {o.instance_type} in "
+                f"it (its spot zones: {', '.join(o.spot_zones) or 'none'})",
+                fix,
+            )
+    return zone
 
 
 def gcp_name(model: str) -> str:

@@ -69,7 +69,10 @@ class CoralMocks(pulumi.runtime.Mocks):
         region = _provider_region(args.provider)
         if args.token == "aws:index/getAvailabilityZones:getAvailabilityZones":
             names = [f"{region}{z}" for z in "abc"]
-            return {"names": names, "zoneIds": names, "state": "available", "id": region}, []
+            # AZ IDs in the same order; a letter names another physical zone in each account,
+            # so here a -> az2, b -> az3, c -> az1
+            ids = [f"{_zone_id_prefix(region)}-az{n}" for n in (2, 3, 1)]
+            return {"names": names, "zoneIds": ids, "state": "available", "id": region}, []
         if args.token == "aws:ec2/getInstanceTypeOfferings:getInstanceTypeOfferings":
             (types,) = [f["values"] for f in args.args.get("filters", [])]
             pairs = [
@@ -101,6 +104,15 @@ def _provider_region(provider: str | None) -> str:
     """The region of an `aws-<region>` provider's URN ("us-east-2" when there is none)."""
     name = (provider or "").split("::")[-2] if provider and "::" in provider else ""
     return name.removeprefix("aws-") if name.startswith("aws-") else "us-east-2"
+
+
+def _zone_id_prefix(region: str) -> str:
+    """The prefix of an AWS region's AZ IDs: us-east-2 -> use2, ap-northeast-2 -> apne2."""
+    area, *words, number = region.split("-")
+    short = {"north": "n", "south": "s", "east": "e", "west": "w", "central": "c"}
+    for long, letter in short.items():
+        words = [w.replace(long, letter) for w in words]
+    return area + "".join(words) + number
 
 
 def _ip(prefix: str, name: str) -> str:

@@ -47,10 +47,10 @@ from coral_iac.exposure import exposure_warnings
 from coral_iac.gateway import Gateway, GatewayArgs, published_health
 from coral_iac.gateway_config import gateway_region, health_parameter_name, replicas_up
 from coral_iac.gateway_cost import allocation_after_gateway, gateway_cost
-from coral_iac.infra import Infra, InfraArgs, gcp_node_zones
+from coral_iac.infra import Infra, InfraArgs, Region, gcp_node_zones, spot_zone
 from coral_iac.model_files import card_disk_gb
 from coral_iac.project import LIBRARY_FOLDER, STACKS_FOLDER
-from solver.catalog.offers import Catalog
+from solver.catalog.offers import Catalog, Offer
 from solver.errors import CoralError
 from solver.operations.reconfiguration import (
     FRONTED,
@@ -237,6 +237,7 @@ def declare(
             # Behind a gateway the key is checked there alone (docs/gateway.md, "API key"); the
             # nodes' identity may read it exactly when they check it.
             api_key_secret=deploy.api_key_secret if infra.nodes_read_api_key else None,
+            market=inst.market,
         )
         region = infra.region(inst.cloud, inst.region)
         public = inst.phase in ("decode", "aggregated")  # routers and aggregated heads
@@ -251,19 +252,7 @@ def declare(
             else infra.gcp_tag(region, inst.model, _has_endpoint(plan, inst), clients)
         )
         offers = [_offer(perf, inst, n) for n in template.nodes]
-        subnet = (
-            infra.aws_node_subnet(region, [o.instance_type for o in offers])
-            if inst.cloud == "aws"
-            else None
-        )
-        try:
-            zones = (
-                gcp_node_zones(inst.region, offers, deploy.gcp_zones.get(inst.region))
-                if inst.cloud == "gcp"
-                else None
-            )
-        except CoralError as e:
-            raise pulumi.RunError(str(e)) from None
+        subnet, zones = _placement(infra, region, inst, offers, deploy)
         if zones is not None and len(set(zones)) > 1:
             pulumi.log.warn(
                 f"{inst.key}: no zone of gcp:{inst.region} sells "
@@ -296,6 +285,7 @@ def declare(
                 subnet_id=subnet,
                 gcp_zones=zones,
                 image=(node_images or {}).get(inst.key),
+                spot=inst.is_spot,
             ),
         )
         if inst.phase == "prefill":
@@ -317,6 +307,31 @@ def declare(
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}
     outputs["images"] = infra.finish()
     return {m: pulumi.Output.all(*urls) for m, urls in sorted(endpoints.items())}, outputs
+
+
+def _placement(
+    infra: Infra, region: Region, inst: Instance, offers: list[Offer], deploy: DeploySettings
+) -> tuple[pulumi.Output[str] | None, list[str] | None]:
+    """Where a replica's nodes run: on AWS its subnet, on GCP each node's zone (the other is
+    None). A spot replica runs where the plan priced it, every node in its zone (`spot_zone`;
+    `deploy.gcp_zones` does not move it); an on-demand one in the first AWS zone that offers
+    all its types (`Infra.aws_node_subnet`), or the GCP zones of `gcp_node_zones`.
+
+    Raises:
+        pulumi.RunError: no zone can take the replica (the message names the fix).
+    """
+    types = [o.instance_type for o in offers]
+    try:
+        zone = spot_zone(inst.key, inst.zone, offers) if inst.is_spot else None
+        if inst.cloud == "aws":
+            if zone is not None:
+                return infra.aws_spot_subnet(region, zone, types), None
+            return infra.aws_node_subnet(region, types), None
+        if zone is not None:
+            return None, [zone] * len(offers)
+        return None, gcp_node_zones(inst.region, offers, deploy.gcp_zones.get(inst.region))
+    except CoralError as e:
+        raise pulumi.RunError(str(e)) from None
 
 
 def _check_router_key(plan: Plan, deploy: DeploySettings, has_gateway: bool) -> None:

@@ -126,6 +126,33 @@ def test_instance_classes_count_against_their_own_quota():
     assert aws_quota("g6e.12xlarge")[0] == aws_quota("vt1.3xlarge")[0] == "L-DB2E81BA"
     assert aws_quota("p4d.24xlarge")[0] == "L-417A185B"
     assert aws_quota("c7i.large")[0] == "L-1216C47A"
+    # Spot capacity has quotas of its own (zero by default for GPUs on most accounts).
+    assert aws_quota("g6e.12xlarge", spot=True)[0] == "L-3819A6DF"
+    assert aws_quota("p3.8xlarge", spot=True)[0] == aws_quota("p4d.24xlarge", spot=True)[0]
+    assert aws_quota("p4d.24xlarge", spot=True)[0] == "L-7212CCBC"
+    assert aws_quota("p5.48xlarge", spot=True)[0] == "L-C4BD4855"
+    assert aws_quota("c7i.large", spot=True)[0] == "L-34B43A08"
+
+
+def test_spot_instances_need_the_spot_and_preemptible_quotas():
+    from coral_iac.quota import quota_needs
+    from solver.catalog.offers import load_catalog
+    from solver.plan_schema import Instance, Plan
+
+    def inst(cloud: str, region: str, node: str, zone: str | None) -> Instance:
+        return Instance(key=f"m/aggregated/{cloud}:{region}/{node}/{zone}/0", model="m",
+                        phase="aggregated", cloud=cloud, region=region, template=node, index=0,
+                        nodes=[node], usd_per_hour=1.0, throughput=1.0,
+                        market="spot" if zone else "on-demand", zone=zone)  # fmt: skip
+
+    plan = Plan.model_construct(instances=[
+        inst("aws", "us-east-2", "l4x1", "use2-az1"), inst("aws", "us-east-2", "l4x1", None),
+        inst("gcp", "us-central1", "l4x1", "us-central1-a"),
+    ])  # fmt: skip
+    needs = {(n.cloud, n.quota): n.needed for n in quota_needs(plan, load_catalog())}
+    assert needs[("aws", "L-3819A6DF")] == needs[("aws", "L-DB2E81BA")] > 0
+    assert needs[("gcp", "PREEMPTIBLE_NVIDIA_L4_GPUS")] == 1
+    assert ("gcp", "NVIDIA_L4_GPUS") not in needs and ("gcp", "PREEMPTIBLE_CPUS") in needs
 
 
 def test_preview_json_shows_each_resource_with_its_inputs_and_masks_secrets(tmp_path, monkeypatch):

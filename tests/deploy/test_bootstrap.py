@@ -80,6 +80,7 @@ def boots_for(
     region="us-east-2",
     api_port=8000,
     api_key_secret=None,
+    market="on-demand",
     **kw,
 ) -> list[NodeBoot]:
     return node_boots(
@@ -95,6 +96,7 @@ def boots_for(
         api_port=api_port,
         hf_token_secret="coral/hf-token",
         api_key_secret=api_key_secret,
+        market=market,
     )
 
 
@@ -139,6 +141,11 @@ def cases() -> dict[str, list[NodeBoot]]:
         ],
         "api-key-uniform-tp-multi-node": boots_for(
             uniform, False, cloud="gcp", region="us-central1", api_key_secret=API_KEY_SECRET
+        ),
+        # spot: every node adds the interruption handler (the head closes its API port)
+        "spot-single-node": boots_for(single, False, market="spot"),
+        "spot-uniform-tp-multi-node": boots_for(
+            uniform, False, cloud="gcp", region="us-central1", market="spot"
         ),
     }
 
@@ -185,7 +192,7 @@ def test_rendered_scripts_pass_shellcheck(case, tmp_path):
     for boot in cases()[case]:
         doc = yaml.safe_load(rendered(boot))
         scripts = [w for w in doc["write_files"] if w["path"].startswith("/usr/local/bin/")]
-        assert len(scripts) == 2
+        assert len(scripts) == (3 if boot.is_spot else 2)  # spot: coral-node-interruption
         for w in scripts:
             f = tmp_path / w["path"].rsplit("/", 1)[1]
             f.write_text(w["content"], encoding="utf-8")
