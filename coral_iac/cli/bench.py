@@ -5,7 +5,7 @@ modes, with a Markdown report and PNG plots (cost by model and method, goodput, 
 Its subcommands run the paper evaluation (`solver/evaluation/`): `paper` (every Sec. 6 scenario
 beside the paper's ratios), `explain` (the measurements behind the differences), `helix`
 (Sec. 6.6, coupled and uncoupled decode), `figures` (Fig. 1a and 1b) and `fig1a` (Fig. 1a for
-any job). The paper's numbers come from `solver/data/paper_results.yaml`.
+any job); and `spot` (each stack on-demand only and with spot allowed). The paper's numbers come from `solver/data/paper_results.yaml`.
 """
 
 from __future__ import annotations
@@ -746,6 +746,61 @@ def fig1a(
     perf = load_perf_model(cards=fleet.model_cards)
     result = fig1a_job(perf, fleet, stack, model, cast(LibPhase, phase), workers)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
+
+
+@bench_app.command(
+    "spot",
+    help="What allowing spot capacity saves: each stack planned to its SLO attainment targets "
+    "on-demand only and with allocation.spot enabled, both verified by simulation, the spot "
+    "plan also with preemptions replayed.\n\n"
+    "Writes table.md, results.json and spot.png to --out and prints the table. Every committed "
+    "stack by default; the paper-extended stacks take minutes each. docs/bench/spot/table.md "
+    "is this output.",
+)
+@reports_errors
+def spot(
+    stacks: Annotated[
+        list[str] | None,
+        typer.Option("--stack", help="Stacks to compare (repeat; default: every committed one)."),
+    ] = None,
+    out_dir: Annotated[
+        Path, typer.Option("--out", help="Folder for table.md, results.json and spot.png.")
+    ] = Path("docs/bench/spot"),
+    workers: Annotated[int, typer.Option(help="Library build and capacity model processes.")] = 2,
+) -> None:
+    """`solver.evaluation.spot_bench` on the chosen stacks, written and printed."""
+    # Deferred: the evaluation loads the planner (OR-Tools) and matplotlib.
+    from coral_iac.demand_sources import resolve_demand
+    from solver.evaluation import spot_bench
+    from solver.io import write_atomic
+    from solver.performance.default_model import load_perf_model
+
+    names = stacks or sorted(
+        p.name.removeprefix("Pulumi.").removesuffix(".yaml")
+        for p in stacks_dir().glob("Pulumi.*.yaml")
+    )
+    for name in names:
+        load_stack_named(name)  # every name checked before the first (long) plan
+    out_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[dict[str, Any]] = []
+    text = ""
+    for k, name in enumerate(names, 1):
+        fleet = resolve_demand(load_stack_named(name), name, stacks_dir(), warn)
+        perf = load_perf_model(cards=fleet.model_cards)
+        started = time.perf_counter()
+        row = spot_bench.compare_stack(
+            name, fleet, perf, library_root() / name, workers, _project(), _log
+        )
+        rows.append(row)
+        _log(f"[{k}/{len(names)}] {name}: {time.perf_counter() - started:.0f} s")
+        # Written after every stack: a long run stopped part-way keeps what it measured.
+        text = spot_bench.report(rows, _provenance(workers))
+        write_atomic(out_dir / "table.md", text.encode())
+        doc = {"provenance": _provenance(workers), "stacks": rows}
+        write_atomic(out_dir / "results.json", (json.dumps(doc, indent=1) + "\n").encode())
+        spot_bench.plot(rows, out_dir / "spot.png")
+    typer.echo(text)
+    err.print(f"Wrote {out_dir / 'table.md'}, results.json and spot.png", highlight=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,5 +1,5 @@
 """`coral bench` as the evaluation's one door: its subcommands (paper, explain, helix, figures,
-fig1a) run tiny cases in a scratch project whose stacks are small copies of the paper's, their
+fig1a, spot) run tiny cases in a scratch project whose stacks are small copies of the paper's, their
 help says what they do, `coral bench --stack` keeps working beside them, and the old script
 names still reach them."""
 
@@ -22,7 +22,7 @@ from solver.serving.library import read_library
 from tests.allocation_helpers import SMALL_FLEET
 from tests.conftest import REPO
 
-SUBCOMMANDS = ("paper", "explain", "helix", "figures", "fig1a")
+SUBCOMMANDS = ("paper", "explain", "helix", "figures", "fig1a", "spot")
 # A short closed loop and verification: every subcommand plans in seconds.
 QUICK = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
 
@@ -223,3 +223,35 @@ def test_the_old_script_names_still_work(script: str, command: str) -> None:
     )
     assert r.returncode == 0, r.stderr
     assert f"coral bench {command}" in r.stdout
+
+
+def test_spot_plans_each_stack_on_demand_and_with_spot(project: Path, tmp_path: Path) -> None:
+    """A stack at 20 requests/s of phi-4 in us-east-2 (where L4 and L40S sell as spot in three
+    zones): both plans made, verified and tabulated; the spot plan runs spot instances in more
+    than one zone and reports its attainment with one zone lost. dev's budget of 10 $/h serves
+    it all either way."""
+    phi4 = SMALL_FLEET["models"]["phi-4"] | {"demand": {"requests_per_s": 20}}
+    stack_file(
+        project / "stacks",
+        "spot-tiny",
+        {
+            "models": {"phi-4": phi4},
+            "regions": [{"cloud": "aws", "region": "us-east-2"}],
+            "node_configs": ["l4x1", "l40sx1"],
+            "library": {"n_max": 2, "rho": 12, "mode": "vllm"},
+            "attainment": QUICK,
+        },
+    )
+    out = tmp_path / "spot"
+    r = invoke(project, "spot", "--stack", "spot-tiny", "--workers", "1", "--out", str(out))
+    assert r.exit_code == 0, r.output
+    (row,) = json.loads((out / "results.json").read_text())["stacks"]
+    od, sp = row["on_demand"], row["spot"]
+    assert od["spot_instances"] == 0 < sp["spot_instances"] < sp["instances"]
+    assert len(row["spot_zones"]) >= 2
+    assert sp["worst_under_preemption"] is not None and od["worst_under_preemption"] is None
+    assert row["preemption_rates"] == {"measured": 2, "assumed": 0}  # the advisor lists both
+    table = (out / "table.md").read_text()
+    assert f"| spot-tiny | {od['usd_per_hour']:.2f} | {sp['usd_per_hour']:.2f} |" in table
+    assert table.strip() in r.stdout
+    assert (out / "spot.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,0 +1,201 @@
+"""`coral bench spot`: what allowing spot capacity saves on a stack, at the same SLO attainment
+targets, and what the plan's attainment is when the cloud takes spot nodes back.
+
+Each stack is planned twice to its models' targets, closed loop and verification included
+(`plan_recorded`): on-demand only, and with `allocation.spot` enabled (the stack's own spot
+settings, else the defaults: half of each job's throughput at most, spare capacity for a whole
+zone's loss). The spot plan's verification also replays preemptions sampled from the market's
+preemption model (`ModelAttainment.under_preemption`). Whether a stack's preemption rates are
+measured (the AWS Spot Instance Advisor's buckets) or assumed is said per stack, because the
+downtime the plan pays for, and the attainment under preemption, rest on them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from solver.catalog.market import build_market
+from solver.evaluation.scenarios import plan_recorded
+from solver.performance.perf_model import PerfModel
+from solver.plan_schema import Plan
+from solver.stack import FleetConfig
+
+ASSUMED = "assumed"  # how an assumed rate's source begins (`solver.catalog.preemption`)
+
+
+@dataclass(frozen=True)
+class Side:
+    """One plan of the comparison, in the numbers the table shows."""
+
+    usd_per_hour: float
+    served_fraction: float
+    instances: int
+    spot_instances: int
+    worst_verified: float | None  # the lowest judged attainment over the stack's models
+    below_target: tuple[str, ...]
+    worst_under_preemption: float | None  # spot plans only
+    seconds: float
+
+    @classmethod
+    def of(cls, plan: Plan, seconds: float) -> Side:
+        judged = [a.judged for a in plan.attainment if a.judged is not None]
+        under = [a.under_preemption for a in plan.attainment if a.under_preemption is not None]
+        return cls(
+            usd_per_hour=round(plan.hourly_cost_usd, 2),
+            served_fraction=round(plan.served_fraction, 4),
+            instances=len(plan.instances),
+            spot_instances=sum(i.is_spot for i in plan.instances),
+            worst_verified=round(min(judged), 4) if judged else None,
+            below_target=tuple(
+                a.model for a in plan.attainment if a.judged is not None and a.judged < a.target
+            ),
+            worst_under_preemption=round(min(under), 4) if under else None,
+            seconds=round(seconds, 1),
+        )
+
+
+def spot_fleet(fleet: FleetConfig) -> FleetConfig:
+    """The stack with spot allowed (its own spot settings otherwise)."""
+    spot = fleet.allocation.spot.model_copy(update={"enabled": True})
+    return fleet.model_copy(
+        update={"allocation": fleet.allocation.model_copy(update={"spot": spot})}
+    )
+
+
+def on_demand_fleet(fleet: FleetConfig) -> FleetConfig:
+    """The stack with spot turned off."""
+    spot = fleet.allocation.spot.model_copy(update={"enabled": False})
+    return fleet.model_copy(
+        update={"allocation": fleet.allocation.model_copy(update={"spot": spot})}
+    )
+
+
+def preemption_sources(fleet: FleetConfig, perf: PerfModel) -> dict[str, int]:
+    """How many of the stack's spot slots have a measured rate, and how many an assumed one."""
+    market = build_market(fleet.market_scope(), perf.catalog)
+    assumed = sum(t.preemption.source.startswith(ASSUMED) for t in market.spot.values())
+    return {"measured": len(market.spot) - assumed, "assumed": assumed}
+
+
+def compare_stack(
+    name: str,
+    fleet: FleetConfig,
+    perf: PerfModel,
+    directory: Path,
+    workers: int,
+    root: Path,
+    progress: Callable[[str], None] | None = None,
+) -> dict[str, Any]:
+    """`name` planned on-demand and with spot (module doc), as one row of the table."""
+    sources = preemption_sources(fleet, perf)
+    row: dict[str, Any] = {"stack": name, "preemption_rates": sources}
+    if progress:
+        progress(f"{name}: planning on-demand only")
+    od = plan_recorded(name, on_demand_fleet(fleet), perf, directory, "coral", workers, root)
+    row["on_demand"] = Side.of(od.plan, od.seconds).__dict__
+    if not sum(sources.values()):
+        row["spot"] = None
+        row["note"] = "no node config of the stack sells as spot in its regions"
+        return row
+    if progress:
+        progress(f"{name}: planning with spot allowed")
+    sp = plan_recorded(name, spot_fleet(fleet), perf, directory, "coral", workers, root)
+    row["spot"] = Side.of(sp.plan, sp.seconds).__dict__
+    row["spot_zones"] = sorted(
+        {f"{i.cloud}:{i.zone}" for i in sp.plan.instances if i.zone is not None}
+    )
+    return row
+
+
+def saving(row: dict[str, Any]) -> float | None:
+    """1 - spot $/h / on-demand $/h, when both serve the same share of demand."""
+    od, sp = row["on_demand"], row.get("spot")
+    if sp is None or not od["usd_per_hour"] or sp["served_fraction"] != od["served_fraction"]:
+        return None
+    return 1 - float(sp["usd_per_hour"]) / float(od["usd_per_hour"])
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
+
+
+def _attained(side: dict[str, Any] | None) -> str:
+    if side is None:
+        return "-"
+    below = f" (below: {', '.join(side['below_target'])})" if side["below_target"] else ""
+    return _pct(side["worst_verified"]) + below
+
+
+def report(rows: list[dict[str, Any]], provenance: dict[str, Any]) -> str:
+    """The Markdown table (and what its columns mean)."""
+    lines = [
+        "# Spot capacity per committed stack",
+        "",
+        f"`coral bench spot` at commit {provenance.get('commit') or '?'} "
+        f"({provenance.get('date', '')}). Each stack is planned to its models' SLO attainment "
+        "targets twice: on-demand only, and with `allocation.spot` enabled (at most half of "
+        "each job's throughput from spot, spare capacity for a whole zone's loss).",
+        "",
+        "- **$/h**: the plan's provisioning cost; **saving**: 1 - spot / on-demand, where both "
+        "serve the same share of demand.",
+        "- **attainment**: the lowest verified share of requests within both SLOs over the "
+        "stack's models, without preemptions (and the models below their target).",
+        "- **under preemption**: the same on the spot plan's verification workload with spot "
+        "nodes taken back as the preemption model says and replacements booting after "
+        "`allocation.boot_minutes`.",
+        "- **rates**: how many of the stack's spot slots have a published preemption rate (the "
+        "AWS Spot Instance Advisor's bucket, its upper bound; the open `>20%` bucket taken as "
+        "30%) and how many an assumed one (30% a month: every GCP slot, and AWS types the "
+        "advisor does not list). Every zone correlation (0.5) is assumed. Savings and "
+        "attainment under preemption rest on these rates.",
+        "",
+        "| stack | on-demand $/h | spot $/h | saving | spot instances | attainment on-demand "
+        "| attainment spot | under preemption | rates measured / assumed |",
+        "|---|---:|---:|---:|---:|---|---|---|---:|",
+    ]
+    for row in rows:
+        od, sp = row["on_demand"], row.get("spot")
+        rates = row["preemption_rates"]
+        spot_cost = "-" if sp is None else f"{sp['usd_per_hour']:.2f}"
+        count = "-" if sp is None else f"{sp['spot_instances']} of {sp['instances']}"
+        under = "-" if sp is None else _pct(sp["worst_under_preemption"])
+        lines.append(
+            f"| {row['stack']} | {od['usd_per_hour']:.2f} | {spot_cost} | {_pct(saving(row))} "
+            f"| {count} | {_attained(od)} | {_attained(sp)} | {under} "
+            f"| {rates['measured']} / {rates['assumed']} |"
+        )
+    notes = [f"- {r['stack']}: {r['note']}" for r in rows if r.get("note")]
+    return "\n".join([*lines, "", *notes]).rstrip() + "\n"
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    """$/hour per stack, on-demand beside spot (log scale: the stacks span 3 orders)."""
+    # Deferred: matplotlib is heavy and only the plot needs it.
+    import matplotlib
+
+    matplotlib.use("Agg")  # files only
+    # pyplot after the backend is chosen.
+    import matplotlib.pyplot as plt
+
+    names = [r["stack"] for r in rows]
+    od = [r["on_demand"]["usd_per_hour"] for r in rows]
+    sp = [r["spot"]["usd_per_hour"] if r.get("spot") else 0.0 for r in rows]
+    x = range(len(rows))
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(rows)), 4.2))
+    ax.bar([i - 0.2 for i in x], od, width=0.4, label="on-demand only", color="C0")
+    ax.bar([i + 0.2 for i in x], sp, width=0.4, label="spot allowed", color="C1")
+    for i, row in enumerate(rows):
+        s = saving(row)
+        if s is not None:
+            ax.annotate(f"{s:.0%}", (i + 0.2, sp[i]), ha="center", va="bottom", fontsize=8)
+    ax.set_xticks(list(x), names, rotation=30, ha="right")
+    ax.set_yscale("log")
+    ax.set_ylabel("$/hour (log)")
+    ax.set_title("Plan cost at the same SLO attainment targets (label: saving)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
