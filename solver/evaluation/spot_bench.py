@@ -4,10 +4,10 @@ targets, and what the plan's attainment is when the cloud takes spot nodes back.
 Each stack is planned twice to its models' targets, closed loop and verification included
 (`plan_recorded`): on-demand only, and with `allocation.spot` enabled (the stack's own spot
 settings, else the defaults: half of each job's throughput at most, spare capacity for a whole
-zone's loss). The spot plan's verification also replays preemptions sampled from the market's
-preemption model (`ModelAttainment.under_preemption`). Whether a stack's preemption rates are
-measured (the AWS Spot Instance Advisor's buckets) or assumed is said per stack, because the
-downtime the plan pays for, and the attainment under preemption, rest on them.
+zone's loss). The spot plan's verification also replays the loss of each of its spot zones
+(`ModelAttainment.under_preemption`). Whether a stack's preemption rates are published (the AWS
+Spot Instance Advisor's buckets) or assumed is said per stack, because the downtime the plan
+pays for, and so the spot columns' throughput and the plan's choice, rest on them.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ class Side:
     spot_instances: int
     worst_verified: float | None  # the lowest judged attainment over the stack's models
     below_target: tuple[str, ...]
-    worst_under_preemption: float | None  # spot plans only
+    worst_under_preemption: float | None  # over the models with spot instances: one zone lost
     seconds: float
 
     @classmethod
@@ -143,17 +143,20 @@ def report(rows: list[dict[str, Any]], provenance: dict[str, Any]) -> str:
         "serve the same share of demand.",
         "- **attainment**: the lowest verified share of requests within both SLOs over the "
         "stack's models, without preemptions (and the models below their target).",
-        "- **under preemption**: the same on the spot plan's verification workload with spot "
-        "nodes taken back as the preemption model says and replacements booting after "
-        "`allocation.boot_minutes`.",
+        "- **one zone lost**: over the models that run spot instances, the lowest share on the "
+        "spot plan's verification traffic with every spot instance of one of its zones taken "
+        "back a third of the way in and replaced `allocation.boot_minutes` later (the worst "
+        "zone; `coral plan`'s `one spot zone lost`). It can read above the attainment column, "
+        "which also counts the models without spot.",
         "- **rates**: how many of the stack's spot slots have a published preemption rate (the "
         "AWS Spot Instance Advisor's bucket, its upper bound; the open `>20%` bucket taken as "
         "30%) and how many an assumed one (30% a month: every GCP slot, and AWS types the "
-        "advisor does not list). Every zone correlation (0.5) is assumed. Savings and "
-        "attainment under preemption rest on these rates.",
+        "advisor does not list). Every zone correlation (0.5) is assumed. The downtime each "
+        "spot instance is charged, and so the savings, rest on these rates; the zone-loss "
+        "check does not (it takes a whole zone, whatever the rate).",
         "",
         "| stack | on-demand $/h | spot $/h | saving | spot instances | attainment on-demand "
-        "| attainment spot | under preemption | rates measured / assumed |",
+        "| attainment spot | one zone lost | rates measured / assumed |",
         "|---|---:|---:|---:|---:|---|---|---|---:|",
     ]
     for row in rows:
