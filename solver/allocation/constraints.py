@@ -124,8 +124,12 @@ def add_demand(
         supply = solver.Sum(
             [problem.columns[i].template.throughput * nu[i] for i in by_job.get(job, [])]
         )
-        need = (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
-        solver.Add(supply >= need, name=f"demand[{job[0]}/{job[1]}]")
+        solver.Add(supply >= _need(d, job, phi, fraction), name=f"demand[{job[0]}/{job[1]}]")
+
+
+def _need(d: float, job: Job, phi: Mapping[str, Any] | None, fraction: float) -> Any:
+    """What a job's demand row asks: D phi[model] / FRACTION_STEPS, or D f."""
+    return (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
 
 
 def add_spot(
@@ -159,7 +163,7 @@ def add_spot(
         spot_full = solver.Sum([cols[i].full_throughput * nu[i] for i in spot])
         solver.Add(spot_full <= rules.max_share * full, name=f"spot_share[{name}]")
         supply = solver.Sum([cols[i].template.throughput * nu[i] for i in idx])
-        need = (d / FRACTION_STEPS) * phi[job[0]] if phi is not None else d * fraction
+        need = _need(d, job, phi, fraction)
         zones: dict[tuple[RegionId, str], list[int]] = {}
         for i in spot:
             zones.setdefault((cols[i].region, cast(str, cols[i].zone)), []).append(i)

@@ -29,6 +29,7 @@ from solver.plan_schema import Instance, Plan, instance_key, template_ref
 from tests.conftest import REPO
 from tests.deploy.test_bootstrap import HEAD_IP, boots_for, cases, template
 from tests.deploy.test_program import nodes_of, stacks_with
+from tests.serving.harness import serve_on_loopback
 
 REGIONS = [{"cloud": "aws", "region": "us-east-2"}, {"cloud": "gcp", "region": "us-central1"}]
 PHI4 = {
@@ -247,9 +248,7 @@ class FakeMetadata:
             def log_message(self, *_args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_on_loopback(Handler)
 
     def close(self) -> None:
         self.server.shutdown()

@@ -91,13 +91,20 @@ class Metadata:
             def log_message(self, *_args: object) -> None:
                 pass
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        self.server, self.url = serve_on_loopback(Handler)
 
     def close(self) -> None:
         self.server.shutdown()
         self.server.server_close()
+
+
+def serve_on_loopback(
+    handler: type[http.server.BaseHTTPRequestHandler],
+) -> tuple[http.server.ThreadingHTTPServer, str]:
+    """`handler` served on a free loopback port in a daemon thread: the server and its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, f"http://127.0.0.1:{server.server_address[1]}"
 
 
 def fake_cli(bin_dir: Path, secrets: dict[str, str]) -> None:
