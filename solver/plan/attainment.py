@@ -644,8 +644,8 @@ def under_preemption(
     plan: Plan, scope: AttainmentScope, perf: PerfModel, duration_s: float, root: Path | None
 ) -> dict[str, float]:
     """Model -> its lowest attainment on the verification workload (as `simulate_workload`
-    builds it) with every spot instance of one zone taken back at once, a third into the window
-    (warm queues), each replacement serving `scope.boot_minutes` later; the lowest over the
+    builds it) with every spot instance of one zone taken back at once, a third of the way
+    through its requests (warm queues), each replacement serving `scope.boot_minutes` later; the lowest over the
     plan's spot zones (`zone_losses`). This is the correlated loss the plan's zone spread
     (`allocation.spot.zone_loss_serves`) pays spare capacity for; at the shipped preemption
     rates a sampled window of half an hour almost never holds a preemption, so sampling them
@@ -657,7 +657,9 @@ def under_preemption(
     traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root)
     traces = {m: t for m, t in traces.items() if m in spot_models}
     worst: dict[str, float] = {}
-    losses = zone_losses(plan.instances, duration_s * ZONE_LOSS_AT, scope.boot_minutes * 60)
+    # A third into the requests: a trace's held-out window can end well before `duration_s`.
+    span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)
+    losses = zone_losses(plan.instances, span * ZONE_LOSS_AT, scope.boot_minutes * 60)
     for outages in losses.values():
         result = simulate(plan, scope.models, perf, traces, duration_s, outages)
         for m, r in result.models.items():

@@ -25,7 +25,7 @@ from tests.conftest import REPO, committed_stacks
 from tests.vllm_nodes import Proc, processes, run_vllm_checks, write_models
 
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
-DEPLOYABLE = ["dev", "dev-gcp", "staging", "prod"]  # the deploy stacks; test_deploy_cli: the paper ones
+DEPLOYABLE = ["dev", "dev-gcp", "staging", "prod", "spot"]  # the deploy stacks; test_deploy_cli: the paper ones
 PER_NODE = {"--node-rank", "--headless", "--host", "--port"}
 
 

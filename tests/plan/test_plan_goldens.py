@@ -23,7 +23,7 @@ from tests.conftest import committed_stacks
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "plans"
-QUICK = ["dev", "dev-gcp", "paper-core", "paper-helix", "prod", "staging"]
+QUICK = ["dev", "dev-gcp", "paper-core", "paper-helix", "prod", "spot", "staging"]
 LARGE = [
     "paper-core-scarce",
     "paper-extended",
@@ -47,13 +47,15 @@ def summary(plan: dict[str, Any]) -> dict[str, Any]:
         for node in i["nodes"]:
             gpu, count = node.rsplit("x", 1)
             gpus[f"{job}/{gpu}"] += int(count)
-    return {
+    out = {
         "stack": plan["stack"],
         "hourly_cost_usd": plan["hourly_cost_usd"],
         "served_fractions": plan["served_fractions"],
         "instances": dict(sorted(instances.items())),
         "gpus": dict(sorted(gpus.items())),
     }
+    spot = Counter(f"{i['model']}/{i['phase']}" for i in plan["instances"] if i.get("zone"))
+    return out | ({"spot_instances": dict(sorted(spot.items()))} if spot else {})
 
 
 def check_stack(stack: str, library: Path, monkeypatch: pytest.MonkeyPatch) -> None:

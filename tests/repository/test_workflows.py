@@ -146,10 +146,10 @@ def affected(repo: Path, change: str | None, **env: str) -> str:
         ("stacks/demand/staging.yaml", {}, '["staging"]'),
         ("stacks/Pulumi.prod.yaml", {}, '["prod"]'),
         ("stacks/Pulumi.paper-core.yaml", {}, "[]"),
-        ("solver/x.py", {}, '["dev-gcp","dev","prod","staging"]'),
-        (None, {"ALL": "true"}, '["dev-gcp","dev","prod","staging"]'),
+        ("solver/x.py", {}, '["dev-gcp","dev","prod","spot","staging"]'),
+        (None, {"ALL": "true"}, '["dev-gcp","dev","prod","spot","staging"]'),
         (None, {"ALL": "true", "ONLY": "prod"}, '["prod"]'),
-        (None, {"BASE": "0000000000000000000000000000000000000000"}, '["dev-gcp","dev","prod","staging"]'),
+        (None, {"BASE": "0000000000000000000000000000000000000000"}, '["dev-gcp","dev","prod","spot","staging"]'),
     ],
     ids=[
         "demand-file",

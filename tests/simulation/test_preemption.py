@@ -345,3 +345,18 @@ def test_verification_reports_attainment_under_preemption_only_for_spot_plans(mo
     assert {a.model: a.under_preemption for a in again.attainment} == {
         m: a.under_preemption for m, a in rows.items()
     }
+
+    # Regression: a real trace's held-out window can end long before the simulated window (8
+    # of 30 minutes on the Azure trace), and a loss a third into the window then came after
+    # the last request, reading as no loss at all. The loss is a third into the requests.
+    def early(*args: object, **kwargs: object) -> tuple[dict[str, Trace], float]:
+        traces, duration = real_traces(*args, **kwargs)
+        cut = {m: t.arrival_s < duration / 4 for m, t in traces.items()}
+        return {m: Trace(t.arrival_s[k], t.prompt[k], t.output[k])
+                for (m, t), k in zip(traces.items(), cut.values(), strict=True)}, duration  # fmt: skip
+
+    real_traces = attainment._traces
+    monkeypatch.setattr(attainment, "_traces", early)
+    short = attainment.verify_plan(spot_plan, scope, perf(), {}, {}, None)
+    phi4 = next(a for a in short.attainment if a.model == "phi-4")
+    assert phi4.under_preemption is not None and phi4.under_preemption < phi4.verified
