@@ -125,7 +125,63 @@ def solve_allocation(problem: Problem) -> Solution:
     """
     if problem.settings.add_only:
         _check_keepable(problem)
-    return _solve(problem, 0.0)
+    if not any(c.is_spot for c in problem.columns):
+        return _solve(problem, 0.0)
+    return _with_spot(problem)
+
+
+def _with_spot(problem: Problem) -> Solution:
+    """A problem with spot columns, solved with them and with the on-demand columns alone; the
+    better plan (more served, then cheaper) is kept.
+
+    Every on-demand plan is a plan of the problem with spot, so spot should never serve less or
+    cost more; but the most-served solves stop at a node limit, and on four times the columns
+    they can stop at a worse plan (paper-core-scarce served 77% with spot allowed, 84% without).
+    A problem whose running plan is on spot (add-only) is solved with its spot columns only.
+    """
+    with_spot = _solve(problem, 0.0)
+    keep = [i for i, c in enumerate(problem.columns) if not c.is_spot]
+    running = {c.running_key for c in problem.columns if c.is_spot}
+    if problem.settings.add_only and any(problem.running.get(k, 0) for k in running):
+        return with_spot
+    alone = replace(problem, columns=[problem.columns[i] for i in keep])
+    try:
+        on_demand = _solve(alone, 0.0)
+    except AllocationError:
+        return with_spot
+    seconds = (with_spot.report.solve_seconds if with_spot.report else 0.0) + (
+        on_demand.report.solve_seconds if on_demand.report else 0.0
+    )
+
+    def merit(sol: Solution) -> tuple[float, float, float]:
+        cost = sol.report.objective if sol.report is not None else math.inf
+        fractions = sol.fractions.values()
+        return (round(sol.fraction, 4), round(sum(fractions), 4), -round(cost, 6))
+
+    if merit(with_spot) >= merit(on_demand):
+        report = with_spot.report
+        if report is not None:
+            report = report.model_copy(update={"solve_seconds": round(seconds, 4)})
+        return replace(with_spot, report=report)
+    report = on_demand.report
+    if report is not None:
+        # Its bound holds for the on-demand columns; the spot solve's, at the same fractions,
+        # for the whole problem.
+        spot_bound = with_spot.report.best_bound if with_spot.report is not None else None
+        same = with_spot.fractions == on_demand.fractions
+        bound = min(spot_bound, report.objective) if same and spot_bound is not None else None
+        gap = relative_gap_of(report.objective, bound)
+        report = report.model_copy(
+            update={
+                "solve_seconds": round(seconds, 4),
+                "best_bound": None if bound is None else round(bound, 6),
+                "gap": None if gap is None else round(gap, 6),
+                "status": report.status if same and report.status == "optimal" and gap == 0
+                else "feasible",
+            }
+        )  # fmt: skip
+    counts = {keep[i]: n for i, n in on_demand.counts.items()}
+    return replace(on_demand, counts=counts, report=report)
 
 
 def _solve(problem: Problem, seconds: float) -> Solution:

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import assume, given, settings
 from hypothesis import strategies as st
@@ -102,3 +104,29 @@ def test_the_validator_refuses_spot_in_one_zone_and_spot_the_stack_does_not_allo
         validate_plan(one_zone, f.plan_scope(), perf().catalog, perf().cards)
     with pytest.raises(InvalidPlan, match=r"spot, but the stack's allocation.spot.enabled"):
         validate_plan(plan, fleet().plan_scope(), perf().catalog, perf().cards)
+
+
+def test_a_spot_solve_that_ends_worse_gives_way_to_the_on_demand_plan(monkeypatch):
+    """The most-served solves stop at a node limit, and on the larger problem with spot columns
+    they can stop at a plan that serves less than the on-demand columns alone allow (seen on
+    paper-core-scarce). Stood in here by a solve of the spot problem that serves half: the plan
+    is the on-demand one, and the same plan as with spot off."""
+    from solver.allocation import solve as solve_module
+
+    real = solve_module._solve
+
+    def worse_with_spot(problem, seconds):
+        solution = real(problem, seconds)
+        if any(c.is_spot for c in problem.columns):
+            half = {m: 0.5 for m in solution.fractions}
+            return replace(solution, fractions=half)
+        return solution
+
+    monkeypatch.setattr(solve_module, "_solve", worse_with_spot)
+    rps = {"phi-4": 20.0, "gpt-oss-20b": 20.0}
+    plan = planned(spot_fleet(rps))
+    assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
+    on_demand = planned(fleet(models=spot_fleet(rps).model_dump()["models"]))
+    assert plan.hourly_cost_usd == on_demand.hourly_cost_usd
+    monkeypatch.setattr(solve_module, "_solve", real)  # and a good spot solve is kept
+    assert any(i.is_spot for i in planned(spot_fleet(rps)).instances)
