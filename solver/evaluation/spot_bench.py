@@ -122,6 +122,14 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
+def _cost(side: dict[str, Any] | None) -> str:
+    """$/h, and the least served model's share when a plan cannot serve all demand."""
+    if side is None:
+        return "-"
+    served = side["served_fraction"]
+    return f"{side['usd_per_hour']:.2f}" + (f" (serves {served:.1%})" if served < 0.9995 else "")
+
+
 def _attained(side: dict[str, Any] | None) -> str:
     if side is None:
         return "-"
@@ -139,8 +147,9 @@ def report(rows: list[dict[str, Any]], provenance: dict[str, Any]) -> str:
         "targets twice: on-demand only, and with `allocation.spot` enabled (at most half of "
         "each job's throughput from spot, spare capacity for a whole zone's loss).",
         "",
-        "- **$/h**: the plan's provisioning cost; **saving**: 1 - spot / on-demand, where both "
-        "serve the same share of demand.",
+        "- **$/h**: the plan's provisioning cost, with the share of demand its least served "
+        "model gets when the stack cannot serve it all; **saving**: 1 - spot / on-demand, "
+        "where both serve the same share.",
         "- **attainment**: the lowest verified share of requests within both SLOs over the "
         "stack's models, without preemptions (and the models below their target).",
         "- **one zone lost**: over the models that run spot instances, the lowest share on the "
@@ -162,11 +171,11 @@ def report(rows: list[dict[str, Any]], provenance: dict[str, Any]) -> str:
     for row in rows:
         od, sp = row["on_demand"], row.get("spot")
         rates = row["preemption_rates"]
-        spot_cost = "-" if sp is None else f"{sp['usd_per_hour']:.2f}"
         count = "-" if sp is None else f"{sp['spot_instances']} of {sp['instances']}"
         under = "-" if sp is None else _pct(sp["worst_under_preemption"])
+        mark = " (note)" if row.get("note") else ""
         lines.append(
-            f"| {row['stack']} | {od['usd_per_hour']:.2f} | {spot_cost} | {_pct(saving(row))} "
+            f"| {row['stack']}{mark} | {_cost(od)} | {_cost(sp)} | {_pct(saving(row))} "
             f"| {count} | {_attained(od)} | {_attained(sp)} | {under} "
             f"| {rates['measured']} / {rates['assumed']} |"
         )

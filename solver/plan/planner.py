@@ -272,7 +272,7 @@ def plan_stack(
     templates = {job: lib.templates for job, lib in libs.items()}
     if method == "cauchy":  # Cauchy-like: Coral's ILP over single-config templates
         restriction = "single config"
-    if restriction is not None:
+    if restriction is not None and restriction != ON_DEMAND:
         keeps = RESTRICTIONS[restriction]
         templates = {job: [t for t in ts if keeps(t)] for job, ts in templates.items()}
     if factors is not None:
@@ -284,7 +284,7 @@ def plan_stack(
     spot = fleet.allocation.spot
     rules = (
         SpotRules(spot, fleet.allocation.boot_minutes / 60)
-        if spot.enabled and method in ("coral", "cauchy")
+        if spot.enabled and method in ("coral", "cauchy") and restriction != ON_DEMAND
         else None
     )
     columns = make_columns(templates, market, demand, rules)
@@ -307,7 +307,7 @@ def plan_stack(
     )
 
 
-Restriction = Literal["one GPU type", "single config"]
+Restriction = Literal["one GPU type", "single config", "on-demand"]
 # Restrictions of Coral's template space that its closed loop also searches (`plan_to_targets`),
 # widest first. "single config" is Cauchy's space (one node config per template), so Coral's
 # plan is never dearer than Cauchy's at the same targets; "one GPU type" is what
@@ -316,6 +316,11 @@ RESTRICTIONS: dict[Restriction, Callable[[ServingTemplate], bool]] = {
     "one GPU type": lambda t: len({split_node_id(n)[0] for n in t.nodes}) == 1,
     "single config": lambda t: len(set(t.nodes)) == 1,
 }
+# With spot allowed, the closed loop also searches on-demand capacity alone (every template, no
+# spot column), so allowing spot never ends at a plan that serves less or costs more than not
+# allowing it: on paper-core-scarce the loop with spot ended serving 77% of demand, the same
+# loop without it 84%.
+ON_DEMAND: Restriction = "on-demand"
 
 
 def plan_to_targets(
@@ -358,6 +363,8 @@ def plan_to_targets(
     # ended at 40.48, at the same targets. Every plan of a restricted search is a Coral plan,
     # so Coral keeps the best.
     restrictions = _restrictions(libs) if method == "coral" and fleet.attainment.rounds else []
+    if method == "coral" and fleet.allocation.spot.enabled:
+        restrictions.append(ON_DEMAND)
     if not restrictions:
         return searches.run(method, None, on_round, on_solve)
     if workers > 1:
