@@ -115,9 +115,7 @@ def add_demand(
     """Demand, for every job (model, phase) with D > 0: sum_{r, t of the job} T(t) nu[r,t] >=
     D phi[model] / FRACTION_STEPS when phi holds a variable per model (the most-served solves),
     else >= D f."""
-    by_job: dict[Job, list[int]] = {}
-    for i, c in enumerate(problem.columns):
-        by_job.setdefault(c.job, []).append(i)
+    by_job = columns_by_job(problem)
     for job, d in sorted(problem.demand.items()):
         if d <= 0:
             continue
@@ -125,6 +123,14 @@ def add_demand(
             [problem.columns[i].template.throughput * nu[i] for i in by_job.get(job, [])]
         )
         solver.Add(supply >= _need(d, job, phi, fraction), name=f"demand[{job[0]}/{job[1]}]")
+
+
+def columns_by_job(problem: Problem) -> dict[Job, list[int]]:
+    """Job -> the indices of its columns, in order."""
+    by_job: dict[Job, list[int]] = {}
+    for i, c in enumerate(problem.columns):
+        by_job.setdefault(c.job, []).append(i)
+    return by_job
 
 
 def _need(d: float, job: Job, phi: Mapping[str, Any] | None, fraction: float) -> Any:
@@ -148,13 +154,9 @@ def add_spot(
       every spot instance of one zone gone, the rest still serves w of what the demand row
       asks.
     """
-    rules = problem.settings.spot
-    by_job: dict[Job, list[int]] = {}
-    for i, c in enumerate(problem.columns):
-        by_job.setdefault(c.job, []).append(i)
-    for job, idx in sorted(by_job.items()):
+    rules, cols = problem.settings.spot, problem.columns
+    for job, idx in sorted(columns_by_job(problem).items()):
         d = problem.demand.get(job, 0.0)
-        cols = problem.columns
         spot = [i for i in idx if cols[i].is_spot]
         if d <= 0 or not spot:
             continue

@@ -13,7 +13,7 @@ pays for, and so the spot columns' throughput and the plan's choice, rest on the
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -95,7 +95,7 @@ def compare_stack(
     if progress:
         progress(f"{name}: planning on-demand only")
     od = plan_recorded(name, on_demand_fleet(fleet), perf, directory, "coral", workers, root)
-    row["on_demand"] = Side.of(od.plan, od.seconds).__dict__
+    row["on_demand"] = asdict(Side.of(od.plan, od.seconds))
     if not sum(sources.values()):
         row["spot"] = None
         row["note"] = "no node config of the stack sells as spot in its regions"
@@ -103,7 +103,7 @@ def compare_stack(
     if progress:
         progress(f"{name}: planning with spot allowed")
     sp = plan_recorded(name, spot_fleet(fleet), perf, directory, "coral", workers, root)
-    row["spot"] = Side.of(sp.plan, sp.seconds).__dict__
+    row["spot"] = asdict(Side.of(sp.plan, sp.seconds))
     row["spot_zones"] = sorted(
         {f"{i.cloud}:{i.zone}" for i in sp.plan.instances if i.zone is not None}
     )
