@@ -107,13 +107,32 @@ def compare_stack(
     row["spot_zones"] = sorted(
         {f"{i.cloud}:{i.zone}" for i in sp.plan.instances if i.zone is not None}
     )
+    if worse := worse_than_on_demand(row["on_demand"], row["spot"]):
+        row["note"] = f"allowing spot ends worse than on-demand here: {worse}"
     return row
 
 
+def worse_than_on_demand(od: dict[str, Any], sp: dict[str, Any]) -> str:
+    """How the spot plan falls short of the on-demand one ("" when it does not): it serves a
+    smaller share of demand, or misses a target the on-demand plan meets. Allowing spot should
+    never do either (the closed loop also runs every search on-demand), so a row that says so
+    is a fault to report, not a saving."""
+    if sp["served_fraction"] < od["served_fraction"]:
+        return (
+            f"the spot plan serves {sp['served_fraction']:.1%} of demand against "
+            f"{od['served_fraction']:.1%}"
+        )
+    missed = sorted(set(sp["below_target"]) - set(od["below_target"]))
+    return f"the spot plan misses the target of {', '.join(missed)}" if missed else ""
+
+
 def saving(row: dict[str, Any]) -> float | None:
-    """1 - spot $/h / on-demand $/h, when both serve the same share of demand."""
+    """1 - spot $/h / on-demand $/h, when both serve the same share of demand and the spot
+    plan meets every target the on-demand one meets."""
     od, sp = row["on_demand"], row.get("spot")
     if sp is None or not od["usd_per_hour"] or sp["served_fraction"] != od["served_fraction"]:
+        return None
+    if worse_than_on_demand(od, sp):
         return None
     return 1 - float(sp["usd_per_hour"]) / float(od["usd_per_hour"])
 
@@ -149,7 +168,8 @@ def report(rows: list[dict[str, Any]], provenance: dict[str, Any]) -> str:
         "",
         "- **$/h**: the plan's provisioning cost, with the share of demand its least served "
         "model gets when the stack cannot serve it all; **saving**: 1 - spot / on-demand, "
-        "where both serve the same share.",
+        "where both serve the same share and the spot plan meets every target the on-demand "
+        "plan meets.",
         "- **attainment**: the lowest verified share of requests within both SLOs over the "
         "stack's models, without preemptions (and the models below their target).",
         "- **one zone lost**: over the models that run spot instances, the lowest share on the "

@@ -272,8 +272,9 @@ def plan_stack(
     templates = {job: lib.templates for job, lib in libs.items()}
     if method == "cauchy":  # Cauchy-like: Coral's ILP over single-config templates
         restriction = "single config"
-    if restriction is not None and restriction != ON_DEMAND:
-        keeps = RESTRICTIONS[restriction]
+    kept = _kept_templates(restriction)
+    if kept is not None:
+        keeps = RESTRICTIONS[kept]
         templates = {job: [t for t in ts if keeps(t)] for job, ts in templates.items()}
     if factors is not None:
         templates = {
@@ -284,7 +285,7 @@ def plan_stack(
     spot = fleet.allocation.spot
     rules = (
         SpotRules(spot, fleet.allocation.boot_minutes / 60)
-        if spot.enabled and method in ("coral", "cauchy") and restriction != ON_DEMAND
+        if spot.enabled and method in ("coral", "cauchy") and restriction not in ON_DEMAND
         else None
     )
     columns = make_columns(templates, market, demand, rules)
@@ -307,7 +308,13 @@ def plan_stack(
     )
 
 
-Restriction = Literal["one GPU type", "single config", "on-demand"]
+Restriction = Literal[
+    "one GPU type",
+    "single config",
+    "on-demand",
+    "one GPU type, on-demand",
+    "single config, on-demand",
+]
 # Restrictions of Coral's template space that its closed loop also searches (`plan_to_targets`),
 # widest first. "single config" is Cauchy's space (one node config per template), so Coral's
 # plan is never dearer than Cauchy's at the same targets; "one GPU type" is what
@@ -316,11 +323,27 @@ RESTRICTIONS: dict[Restriction, Callable[[ServingTemplate], bool]] = {
     "one GPU type": lambda t: len({split_node_id(n)[0] for n in t.nodes}) == 1,
     "single config": lambda t: len(set(t.nodes)) == 1,
 }
-# With spot allowed, the closed loop also searches on-demand capacity alone (every template, no
-# spot column), so allowing spot never ends at a plan that serves less or costs more than not
-# allowing it: on paper-core-scarce the loop with spot ended serving 77% of demand, the same
-# loop without it 84%.
-ON_DEMAND: Restriction = "on-demand"
+# With spot allowed, the closed loop also runs every search again on on-demand capacity alone
+# (no spot column): the same searches the loop runs without spot, so allowing spot never ends
+# at a plan that serves less or misses more targets than not allowing it. On paper-core-scarce
+# the loop with spot ended serving 77% of demand where the loop without it served 84%, the
+# better plan coming from its single-config search. Each names the template restriction it
+# keeps (None: every template).
+ON_DEMAND: dict[Restriction, Restriction | None] = {
+    "on-demand": None,
+    "one GPU type, on-demand": "one GPU type",
+    "single config, on-demand": "single config",
+}
+
+
+def _kept_templates(restriction: Restriction | None) -> Restriction | None:
+    """The template restriction a search keeps (None: every template)."""
+    return ON_DEMAND[restriction] if restriction in ON_DEMAND else restriction
+
+
+def _on_demand_twin(restriction: Restriction | None) -> Restriction:
+    """The search over the same templates on on-demand capacity alone."""
+    return next(r for r, kept in ON_DEMAND.items() if kept == restriction)
 
 
 def plan_to_targets(
@@ -364,7 +387,7 @@ def plan_to_targets(
     # so Coral keeps the best.
     restrictions = _restrictions(libs) if method == "coral" and fleet.attainment.rounds else []
     if method == "coral" and fleet.allocation.spot.enabled:
-        restrictions.append(ON_DEMAND)
+        restrictions += [_on_demand_twin(r) for r in [None, *restrictions]]
     if not restrictions:
         return searches.run(method, None, on_round, on_solve)
     if workers > 1:
@@ -569,7 +592,8 @@ def _in_parallel(
 
 def _offered(libs: dict[Job, Library], restriction: Restriction | None) -> frozenset[str]:
     """The templates a search offers (template refs)."""
-    keeps = RESTRICTIONS[restriction] if restriction is not None else (lambda t: True)
+    kept = _kept_templates(restriction)
+    keeps = RESTRICTIONS[kept] if kept is not None else (lambda t: True)
     return frozenset(
         template_ref(m, ph, t.key)
         for (m, ph), lib in libs.items()
@@ -618,9 +642,10 @@ def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | Non
     """The best of the closed loop's searches (the mixed one first, then restrictions of it):
     a later search's plan replaces the best so far when it meets every target that one meets
     (length buckets included) and either serves more (max-min fair by priority, then the most
-    in total: `served_key`) or serves as much for less ($/hour plus the start-up penalty, what
-    the allocation minimises). A replacing plan keeps the first plan's method, and its
-    closed_loop_stop says which search it came from."""
+    in total: `served_key`), or serves as much and meets more targets, or serves as much and
+    meets the same targets for less ($/hour plus the start-up penalty, what the allocation
+    minimises). A replacing plan keeps the first plan's method, and its closed_loop_stop says
+    which search it came from."""
     first_name, best = found[0]
     best_name = first_name
     priority = priority if priority is not None else {m: 0 for m in best.served_fractions}
@@ -628,18 +653,24 @@ def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | Non
         if not _short(plan) <= _short(best):
             continue
         more, was = served_key(plan, priority), served_key(best, priority)
-        if more > was or (more == was and _charged(plan) < _charged(best) - 1e-6):
+        fewer_short = _short(plan) < _short(best)
+        cheaper = _charged(plan) < _charged(best) - 1e-6
+        if more > was or (more == was and (fewer_short or cheaper)):
             best, best_name = plan, name
     if best_name == first_name:
         return best
     first = found[0][1]
-    how = (
-        "serves as much for less"
-        if served_key(best, priority) == served_key(first, priority)
-        else f"serves more (least served model {least_served(best):.1%}, models on average "
-        f"{_mean_served(best):.1%} of their demand; against {least_served(first):.1%} and "
-        f"{_mean_served(first):.1%})"
-    )
+    if served_key(best, priority) != served_key(first, priority):
+        how = (
+            f"serves more (least served model {least_served(best):.1%}, models on average "
+            f"{_mean_served(best):.1%} of their demand; against {least_served(first):.1%} and "
+            f"{_mean_served(first):.1%})"
+        )
+    elif _short(best) < _short(first):
+        missed = ", ".join(sorted(_short(first) - _short(best)))
+        how = f"serves as much and also meets the target of {missed}"
+    else:
+        how = "serves as much for less"
     others = ", ".join(
         f"{name} {p.hourly_cost_usd:.2f} $/h" for name, p in found if name != best_name
     )

@@ -155,3 +155,39 @@ def test_the_closed_loop_keeps_the_on_demand_search_when_spot_ends_worse(monkeyp
     plan = planner.plan_to_targets("test", f, perf(), libraries(), workers=1)
     assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
     assert "kept the on-demand search's plan" in plan.closed_loop_stop
+
+
+def test_with_spot_every_restricted_search_also_runs_on_demand(monkeypatch):
+    """On paper-core-scarce the plan without spot came from the loop's single-config search,
+    and with spot allowed that search ran with spot columns and ended serving less (77%
+    against 84%). With spot allowed, every search (mixed and each restriction) runs again on
+    on-demand capacity alone. Stood in by every search serving half of each model's demand
+    except the on-demand twin of the last restricted search: its plan is kept, on-demand."""
+    from solver.plan import planner
+
+    libs = libraries()
+    last = planner._restrictions(libs)[-1]
+    twin = planner._on_demand_twin(last)
+    real = planner.plan_stack
+    seen: dict[object, bool] = {}
+
+    def all_but_one_serve_half(*args, restriction=None, **kwargs):
+        plan = real(*args, restriction=restriction, **kwargs)
+        seen[restriction] = seen.get(restriction, False) or any(i.is_spot for i in plan.instances)
+        if restriction == twin:
+            return plan
+        half = {m: 0.5 for m in plan.served_fractions}
+        return plan.model_copy(update={"served_fractions": half, "served_fraction": 0.5})
+
+    monkeypatch.setattr(planner, "plan_stack", all_but_one_serve_half)
+    quick = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
+    f = spot_fleet({"phi-4": 20.0, "gpt-oss-20b": 20.0}).model_copy(
+        update={"attainment": fleet(attainment=quick).attainment}
+    )
+    plan = planner.plan_to_targets("test", f, perf(), libs, workers=1)
+    assert f"kept the {twin} search's plan" in plan.closed_loop_stop
+    assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
+    searches = [None, *planner._restrictions(libs)]
+    assert set(seen) == {*searches, *(planner._on_demand_twin(r) for r in searches)}
+    assert not any(spot for r, spot in seen.items() if r in planner.ON_DEMAND)
+    assert seen[None]  # the mixed search with spot columns rents spot at this demand

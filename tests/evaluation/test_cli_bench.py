@@ -255,3 +255,22 @@ def test_spot_plans_each_stack_on_demand_and_with_spot(project: Path, tmp_path: 
     assert f"| spot-tiny | {od['usd_per_hour']:.2f} | {sp['usd_per_hour']:.2f} |" in table
     assert table.strip() in r.stdout
     assert (out / "spot.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_spot_plan_that_ends_worse_is_flagged_not_counted_as_a_saving() -> None:
+    """A spot plan that serves less, or misses a target the on-demand plan meets, is a fault
+    the table must name (paper-core-scarce and paper-extended-small-heavy once were), and its
+    lower price is no saving."""
+    from solver.evaluation.spot_bench import saving, worse_than_on_demand
+
+    od = {"usd_per_hour": 500.32, "served_fraction": 1.0, "below_target": []}
+    sp = {"usd_per_hour": 406.53, "served_fraction": 1.0, "below_target": []}
+    assert worse_than_on_demand(od, sp) == ""
+    assert saving({"on_demand": od, "spot": sp}) == pytest.approx(1 - 406.53 / 500.32)
+    short = sp | {"below_target": ["qwen3-235b-a22b"]}
+    assert worse_than_on_demand(od, short) == "the spot plan misses the target of qwen3-235b-a22b"
+    assert saving({"on_demand": od, "spot": short}) is None
+    both_short = od | {"below_target": ["qwen3-235b-a22b"]}
+    assert worse_than_on_demand(both_short, short) == ""  # no worse than on-demand
+    less = sp | {"served_fraction": 0.772}
+    assert "serves 77.2% of demand against 100.0%" in worse_than_on_demand(od, less)

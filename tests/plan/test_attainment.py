@@ -354,6 +354,32 @@ def test_coral_keeps_a_restricted_search_only_when_it_serves_more_or_as_much_for
     assert best_at_target(found).hourly_cost_usd == cheapest.hourly_cost_usd
 
 
+def test_coral_keeps_a_dearer_search_that_meets_more_targets_at_the_same_serving(
+    perf, dev_library
+):
+    """paper-extended-small-heavy with spot allowed: the mixed search's plan (406.53 $/h)
+    missed qwen3-235b-a22b's target, the on-demand search's (500.32) met every target and
+    served as much. Meeting more targets comes before cost; serving more still comes first."""
+    from solver.plan.planner import best_at_target
+
+    fleet = load_stack(REPO / "stacks", "dev")
+    plan = plan_with_library("dev", fleet, perf, dev_library, root=REPO)
+    missed = plan.attainment[0].model
+    rows = [
+        a.model_copy(update={"verified": a.target - 0.1}) if a.model == missed else a
+        for a in plan.attainment
+    ]
+    cheap_short = plan.model_copy(
+        update={"attainment": rows, "hourly_cost_usd": plan.hourly_cost_usd - 2.0}
+    )
+    kept = best_at_target([("mixed", cheap_short), ("on-demand", plan)])
+    assert kept.hourly_cost_usd == plan.hourly_cost_usd
+    assert f"also meets the target of {missed}" in kept.closed_loop_stop
+    less = {m: 0.5 for m in plan.served_fractions}
+    serves_less = plan.model_copy(update={"served_fractions": less, "served_fraction": 0.5})
+    assert best_at_target([("mixed", cheap_short), ("on-demand", serves_less)]) is cheap_short
+
+
 def test_a_plan_is_judged_by_the_lower_of_its_held_out_windows_and_the_whole_trace():
     """Where one trace window looks better than the hour (paper-helix-aggregated: 91.5%
     verified, 85.3% on the whole trace), the plan is judged short by the whole trace."""
