@@ -346,6 +346,11 @@ def _on_demand_twin(restriction: Restriction | None) -> Restriction:
     return next(r for r, kept in ON_DEMAND.items() if kept == restriction)
 
 
+def _name(restriction: Restriction | None) -> str:
+    """A search's name in progress lines and `closed_loop_stop`."""
+    return "mixed" if restriction is None else restriction
+
+
 def plan_to_targets(
     stack: str,
     fleet: FleetConfig,
@@ -386,18 +391,24 @@ def plan_to_targets(
     # ended at 40.48, at the same targets. Every plan of a restricted search is a Coral plan,
     # so Coral keeps the best.
     restrictions = _restrictions(libs) if method == "coral" and fleet.attainment.rounds else []
+    searched: list[Restriction | None] = [None, *restrictions]
     if method == "coral" and fleet.allocation.spot.enabled:
-        restrictions += [_on_demand_twin(r) for r in [None, *restrictions]]
-    if not restrictions:
-        return searches.run(method, None, on_round, on_solve)
+        # The searches the loop runs with spot off come first, on-demand, and a search with
+        # spot columns replaces their best only by `best_at_target`'s rule: allowing spot never
+        # ends at a plan that serves less or meets fewer targets than not allowing it.
+        searched = [*(_on_demand_twin(r) for r in searched), *searched]
+    first, *rest = searched
+    if not rest:
+        return searches.run(method, first, on_round, on_solve)
     if workers > 1:
-        found = _in_parallel(searches, restrictions, workers, on_round, on_solve)
+        found = _in_parallel(searches, first, rest, workers, on_round, on_solve)
     else:
-        found = [("mixed", searches.run(method, None, on_round, on_solve))]
-        for restriction in restrictions:
-            plan = searches.restricted(restriction, _said(on_round, restriction), on_solve)
+        found = [(_name(first), searches.run(method, first, on_round, on_solve))]
+        for restriction in rest:
+            said = _said(on_round, _name(restriction))
+            plan = searches.restricted(restriction, said, on_solve)
             if plan is not None:
-                found.append((restriction, plan))
+                found.append((_name(restriction), plan))
     return best_at_target(found, priorities(fleet.models))
 
 
@@ -473,7 +484,7 @@ class _Searches:
 
     def restricted(
         self,
-        restriction: Restriction,
+        restriction: Restriction | None,
         progress: Callable[[str], None],
         on_solve: OnSolve | None,
     ) -> Plan | None:
@@ -511,19 +522,19 @@ def _restrictions(libs: dict[Job, Library]) -> list[Restriction]:
 
 # A restricted search in a worker: its plan (None when it failed; the line says why), and the
 # (plan, factors) of its solves when asked.
-_Found = tuple[Restriction, Plan | None, list[tuple[Plan, dict[str, float]]]]
+_Found = tuple[Restriction | None, Plan | None, list[tuple[Plan, dict[str, float]]]]
 # What forked search workers read while they run: the searches, a queue per restriction for its
 # progress lines (none: no progress asked), and whether to keep their solves.
-_IN_WORKERS: list[tuple[_Searches, dict[Restriction, Any], bool]] = []
+_IN_WORKERS: list[tuple[_Searches, dict[Restriction | None, Any], bool]] = []
 
 
-def _search_in_worker(restriction: Restriction) -> tuple[_Found, dict[Any, Any]]:
+def _search_in_worker(restriction: Restriction | None) -> tuple[_Found, dict[Any, Any]]:
     """In a worker process: one restricted search, and the simulations it added."""
     searches, queues, record = _IN_WORKERS[0]
     known = searches.sims.keys()
     solves: list[tuple[Plan, dict[str, float]]] = []
     lines = queues.get(restriction)  # a SimpleQueue: written to its pipe before put returns
-    said = _said(lines.put if lines is not None else None, restriction)
+    said = _said(lines.put if lines is not None else None, _name(restriction))
     plan = searches.restricted(
         restriction, said, (lambda p, f: solves.append((p, f))) if record else None
     )
@@ -532,34 +543,35 @@ def _search_in_worker(restriction: Restriction) -> tuple[_Found, dict[Any, Any]]
 
 def _in_parallel(
     searches: _Searches,
-    restrictions: list[Restriction],
+    first: Restriction | None,
+    restrictions: list[Restriction | None],
     workers: int,
     on_round: Callable[[str], None] | None,
     on_solve: OnSolve | None,
 ) -> list[tuple[str, Plan]]:
-    """The mixed search here while the restricted ones run in up to `workers` forked
-    processes. Each restricted search's progress lines (as they come) and then its solves are
-    passed on after the mixed search's, search by search: the same lines in the same order as
-    one search after the other.
+    """The first search (the mixed one; with spot allowed, the on-demand one) here while the
+    others run in up to `workers` forked processes. Each other search's progress lines (as
+    they come) and then its solves are passed on after the first search's, search by search:
+    the same lines in the same order as one search after the other.
 
-    Their lines are read into `held` between the mixed search's rounds and while waiting, so a
+    Their lines are read into `held` between the first search's rounds and while waiting, so a
     worker never waits on a full pipe for long; a line is in its pipe before `put` returns, so
     a search's future is done only after its last line can be read."""
     fork = multiprocessing.get_context("fork")
     queues = {r: fork.SimpleQueue() for r in restrictions} if on_round else {}
-    held: dict[Restriction, list[str]] = {r: [] for r in restrictions}
+    held: dict[Restriction | None, list[str]] = {r: [] for r in restrictions}
 
     def read() -> None:
         for restriction, lines in queues.items():
             while not lines.empty():
                 held[restriction].append(lines.get())
 
-    def mixed_said(line: str) -> None:
+    def first_said(line: str) -> None:
         read()
         if on_round:
             on_round(line)
 
-    def pass_on(restriction: Restriction) -> None:
+    def pass_on(restriction: Restriction | None) -> None:
         read()
         lines, held[restriction] = held[restriction], []
         for line in lines:
@@ -571,7 +583,7 @@ def _in_parallel(
     try:
         tasks = [(r,) for r in restrictions]
         with started_in_processes(_search_in_worker, tasks, min(workers, len(tasks))) as futures:
-            found.append(("mixed", searches.run("coral", None, mixed_said, on_solve)))
+            found.append((_name(first), searches.run("coral", first, first_said, on_solve)))
             with timing.phase(RESTRICTED_WAIT):
                 for restriction, future in zip(restrictions, futures, strict=True):
                     while not future.done():
@@ -584,7 +596,7 @@ def _in_parallel(
                         if on_solve:
                             on_solve(solved, factors)
                     if plan is not None:
-                        found.append((restriction, plan))
+                        found.append((_name(restriction), plan))
     finally:
         _IN_WORKERS.clear()
     return found
@@ -639,8 +651,8 @@ def least_served(plan: Plan) -> float:
 
 
 def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | None = None) -> Plan:
-    """The best of the closed loop's searches (the mixed one first, then restrictions of it):
-    a later search's plan replaces the best so far when it meets every target that one meets
+    """The best of the closed loop's searches (the first one, the mixed search or with spot
+    allowed the on-demand one, then the others in order): a later search's plan replaces the best so far when it meets every target that one meets
     (length buckets included) and either serves more (max-min fair by priority, then the most
     in total: `served_key`), or serves as much and meets more targets, or serves as much and
     meets the same targets for less ($/hour plus the start-up penalty, what the allocation

@@ -154,7 +154,10 @@ def test_the_closed_loop_keeps_the_on_demand_search_when_spot_ends_worse(monkeyp
     )
     plan = planner.plan_to_targets("test", f, perf(), libraries(), workers=1)
     assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
-    assert "kept the on-demand search's plan" in plan.closed_loop_stop
+    off = f.model_copy(update={"allocation": fleet().allocation})  # spot off
+    without = planner.plan_to_targets("test", off, perf(), libraries(), workers=1)
+    assert plan.hourly_cost_usd == without.hourly_cost_usd
+    assert [i.key for i in plan.instances] == [i.key for i in without.instances]
 
 
 def test_with_spot_every_restricted_search_also_runs_on_demand(monkeypatch):
@@ -179,13 +182,24 @@ def test_with_spot_every_restricted_search_also_runs_on_demand(monkeypatch):
         half = {m: 0.5 for m in plan.served_fractions}
         return plan.model_copy(update={"served_fractions": half, "served_fraction": 0.5})
 
+    real_best = planner.best_at_target
+    order: list[str] = []
+
+    def best(found, priority=None):
+        order.extend(name for name, _ in found)
+        return real_best(found, priority)
+
     monkeypatch.setattr(planner, "plan_stack", all_but_one_serve_half)
+    monkeypatch.setattr(planner, "best_at_target", best)
     quick = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
     f = spot_fleet({"phi-4": 20.0, "gpt-oss-20b": 20.0}).model_copy(
         update={"attainment": fleet(attainment=quick).attainment}
     )
     plan = planner.plan_to_targets("test", f, perf(), libs, workers=1)
     assert f"kept the {twin} search's plan" in plan.closed_loop_stop
+    # The on-demand searches come first: a spot plan must beat their best by the same rule.
+    on_demand = [name in planner.ON_DEMAND for name in order]
+    assert order[0] == "on-demand" and on_demand == sorted(on_demand, reverse=True)
     assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
     searches = [None, *planner._restrictions(libs)]
     assert set(seen) == {*searches, *(planner._on_demand_twin(r) for r in searches)}

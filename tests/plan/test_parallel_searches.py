@@ -13,7 +13,8 @@ from solver.errors import AllocationError
 from solver.plan import planner
 from solver.plan.planner import plan_to_targets
 from solver.plan_schema import Plan
-from tests.allocation_helpers import fleet, libraries, perf
+from solver.stack import FleetConfig
+from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
 LOOP = {"rounds": 2, "planning_minutes": 5, "verify_minutes": 5}
 STACK = fleet(attainment=LOOP)
@@ -24,12 +25,14 @@ def what_it_buys(plan: Plan) -> dict[str, Any]:
     return plan.model_dump(exclude={"solver"})
 
 
-def planned(workers: int) -> tuple[Plan, list[str], list[tuple[float, list[Any]]]]:
+def planned(
+    workers: int, stack: FleetConfig = STACK
+) -> tuple[Plan, list[str], list[tuple[float, list[Any]]]]:
     lines: list[str] = []
     solves: list[tuple[float, list[Any]]] = []
     plan = plan_to_targets(
         "t",
-        STACK,
+        stack,
         perf(),
         libraries(),
         on_round=lines.append,
@@ -47,6 +50,22 @@ def test_restricted_searches_in_workers_plan_as_one_after_the_other() -> None:
     assert two_solves == one_solves  # every solve, in search order
     assert two_lines == one_lines  # every progress line, in the same order
     assert any(line.startswith("single config search, round 0") for line in two_lines)
+
+
+def test_with_spot_the_on_demand_search_runs_here_and_the_spot_searches_in_workers() -> None:
+    """With spot allowed the on-demand search comes first (in this process) and the mixed
+    search with spot columns runs in a worker: the same plan, solves and lines either way."""
+    spot = {"enabled": True}
+    stack = fleet(
+        attainment={"rounds": 1, "planning_minutes": 3, "verify_minutes": 3},
+        allocation=SMALL_FLEET["allocation"] | {"spot": spot},
+    )
+    one, one_lines, one_solves = planned(1, stack)
+    two, two_lines, two_solves = planned(2, stack)
+    assert what_it_buys(two) == what_it_buys(one)
+    assert two_solves == one_solves and two_lines == one_lines
+    assert any(line.startswith("mixed search, round 0") for line in two_lines)
+    assert any(line.startswith("single config, on-demand search, round 0") for line in two_lines)
 
 
 def test_a_restricted_search_that_fails_is_reported_and_the_others_plan(monkeypatch) -> None:
