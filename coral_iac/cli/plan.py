@@ -156,6 +156,8 @@ def plan(
             + f", {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
+    for line in zone_loss_warnings(result):
+        warn(line)
     for a in result.attainment:
         if a.replay_gap > REPLAY_TOLERANCE:
             warn(
@@ -321,6 +323,20 @@ def show_deployable(problems: list[str]) -> None:
     err.print("[red]`pulumi up` will refuse this plan:[/]", highlight=False)
     for line in problems:
         err.print(f"  - {line}", highlight=False, soft_wrap=True)
+
+
+def zone_loss_warnings(plan: Plan) -> list[str]:
+    """A line per model whose attainment with one spot zone lost (`one spot zone lost`) falls
+    below its target: the zone spread keeps the capacity to serve demand, not the attainment."""
+    return [
+        f"{a.model}: {100 * a.under_preemption:.1f}% with one spot zone lost, below its target "
+        f"{100 * a.target:g}%: the spread keeps the capacity to serve demand, but the requests "
+        "the zone's loss cuts retry on full queues while replacements boot. To hold the target "
+        "through a zone's loss, lower coral:fleet.allocation.spot.max_share or "
+        "allocation.target_utilization (docs/allocation.md, 'Spot capacity')"
+        for a in plan.attainment
+        if a.under_preemption is not None and a.under_preemption < a.target
+    ]
 
 
 def gap_warning(p: Any) -> str | None:
