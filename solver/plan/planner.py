@@ -323,12 +323,12 @@ RESTRICTIONS: dict[Restriction, Callable[[ServingTemplate], bool]] = {
     "one GPU type": lambda t: len({split_node_id(n)[0] for n in t.nodes}) == 1,
     "single config": lambda t: len(set(t.nodes)) == 1,
 }
-# With spot allowed, the closed loop also runs every search again on on-demand capacity alone
-# (no spot column): the same searches the loop runs without spot, so allowing spot never ends
-# at a plan that serves less or misses more targets than not allowing it. On paper-core-scarce
-# the loop with spot ended serving 77% of demand where the loop without it served 84%, the
-# better plan coming from its single-config search. Each names the template restriction it
-# keeps (None: every template).
+# With spot allowed, the closed loop first runs its searches on on-demand capacity alone (no
+# spot column), the same searches it runs without spot, and then again with spot columns
+# (`plan_to_targets`). Running only the mixed search on-demand was not enough: on
+# paper-core-scarce the loop with spot ended serving 77% of demand where the loop without it
+# served 84%, the better plan coming from its single-config search. Each names the template
+# restriction it keeps (None: every template).
 ON_DEMAND: dict[Restriction, Restriction | None] = {
     "on-demand": None,
     "one GPU type, on-demand": "one GPU type",
@@ -651,13 +651,13 @@ def least_served(plan: Plan) -> float:
 
 
 def best_at_target(found: list[tuple[str, Plan]], priority: dict[str, int] | None = None) -> Plan:
-    """The best of the closed loop's searches (the first one, the mixed search or with spot
-    allowed the on-demand one, then the others in order): a later search's plan replaces the best so far when it meets every target that one meets
-    (length buckets included) and either serves more (max-min fair by priority, then the most
-    in total: `served_key`), or serves as much and meets more targets, or serves as much and
-    meets the same targets for less ($/hour plus the start-up penalty, what the allocation
-    minimises). A replacing plan keeps the first plan's method, and its closed_loop_stop says
-    which search it came from."""
+    """The best of the closed loop's searches, in the order they ran (the mixed search first;
+    with spot allowed, the on-demand one): a later search's plan replaces the best so far when
+    it meets every target that one meets (length buckets included) and either serves more
+    (max-min fair by priority, then the most in total: `served_key`), or serves as much and
+    meets more targets, or serves as much and meets the same targets for less ($/hour plus the
+    start-up penalty, what the allocation minimises). A replacing plan keeps the first plan's
+    method, and its closed_loop_stop says which search it came from."""
     first_name, best = found[0]
     best_name = first_name
     priority = priority if priority is not None else {m: 0 for m in best.served_fractions}
