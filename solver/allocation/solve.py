@@ -140,10 +140,10 @@ def _with_spot(problem: Problem) -> Solution:
     A problem whose running plan is on spot (add-only) is solved with its spot columns only.
     """
     with_spot = _solve(problem, 0.0)
-    keep = [i for i, c in enumerate(problem.columns) if not c.is_spot]
     running = {c.running_key for c in problem.columns if c.is_spot}
     if problem.settings.add_only and any(problem.running.get(k, 0) for k in running):
         return with_spot
+    keep = [i for i, c in enumerate(problem.columns) if not c.is_spot]
     alone = replace(problem, columns=[problem.columns[i] for i in keep])
     try:
         on_demand = _solve(alone, 0.0)

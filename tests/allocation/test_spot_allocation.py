@@ -28,6 +28,14 @@ def spot_fleet(rps: dict[str, float], **spot: object) -> FleetConfig:
     return fleet(models=models, allocation=allocation)
 
 
+def quick_spot_fleet() -> FleetConfig:
+    """Both models at 20 requests/s with spot allowed, and a closed loop of one short round."""
+    quick = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
+    return spot_fleet({"phi-4": 20.0, "gpt-oss-20b": 20.0}).model_copy(
+        update={"attainment": fleet(attainment=quick).attainment}
+    )
+
+
 def planned(f: FleetConfig) -> Plan:
     plan = plan_stack("test", f, perf().catalog, libraries())
     return validate_plan(plan, f.plan_scope(), perf().catalog, perf().cards)
@@ -135,8 +143,9 @@ def test_a_spot_solve_that_ends_worse_gives_way_to_the_on_demand_plan(monkeypatc
 def test_the_closed_loop_keeps_the_on_demand_search_when_spot_ends_worse(monkeypatch):
     """Per solve the better of spot and on-demand is kept, but the closed loop's path still
     depends on its solves (paper-core-scarce ended serving 77% with spot allowed, 84%
-    without): with spot allowed, the loop also searches on-demand alone and keeps the better.
-    Stood in by every solve with spot columns serving half of each model's demand."""
+    without): with spot allowed, the loop runs its spot-off searches first, on-demand, and a
+    spot plan must beat their best. Stood in by every solve with spot columns serving half of
+    each model's demand: the plan is the spot-off plan, instance for instance."""
     from solver.plan import planner
 
     real = planner.solve_allocation
@@ -148,10 +157,7 @@ def test_the_closed_loop_keeps_the_on_demand_search_when_spot_ends_worse(monkeyp
         return solution
 
     monkeypatch.setattr(planner, "solve_allocation", worse_with_spot)
-    quick = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
-    f = spot_fleet({"phi-4": 20.0, "gpt-oss-20b": 20.0}).model_copy(
-        update={"attainment": fleet(attainment=quick).attainment}
-    )
+    f = quick_spot_fleet()
     plan = planner.plan_to_targets("test", f, perf(), libraries(), workers=1)
     assert plan.served_fraction == 1 and not any(i.is_spot for i in plan.instances)
     off = f.model_copy(update={"allocation": fleet().allocation})  # spot off
@@ -164,8 +170,9 @@ def test_with_spot_every_restricted_search_also_runs_on_demand(monkeypatch):
     """On paper-core-scarce the plan without spot came from the loop's single-config search,
     and with spot allowed that search ran with spot columns and ended serving less (77%
     against 84%). With spot allowed, every search (mixed and each restriction) runs again on
-    on-demand capacity alone. Stood in by every search serving half of each model's demand
-    except the on-demand twin of the last restricted search: its plan is kept, on-demand."""
+    on-demand capacity alone, before the searches with spot columns. Stood in by every search
+    serving half of each model's demand except the on-demand twin of the last restricted
+    search: its plan is kept, on-demand."""
     from solver.plan import planner
 
     libs = libraries()
@@ -191,10 +198,7 @@ def test_with_spot_every_restricted_search_also_runs_on_demand(monkeypatch):
 
     monkeypatch.setattr(planner, "plan_stack", all_but_one_serve_half)
     monkeypatch.setattr(planner, "best_at_target", best)
-    quick = {"rounds": 1, "planning_minutes": 2, "verify_minutes": 2}
-    f = spot_fleet({"phi-4": 20.0, "gpt-oss-20b": 20.0}).model_copy(
-        update={"attainment": fleet(attainment=quick).attainment}
-    )
+    f = quick_spot_fleet()
     plan = planner.plan_to_targets("test", f, perf(), libs, workers=1)
     assert f"kept the {twin} search's plan" in plan.closed_loop_stop
     # The on-demand searches come first: a spot plan must beat their best by the same rule.
