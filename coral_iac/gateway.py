@@ -20,6 +20,7 @@ import pulumi_aws as aws
 from coral_iac.deploy_settings import GatewaySettings
 from coral_iac.gateway_config import (
     HealthReport,
+    gateway_limits,
     gateway_upstreams,
     health_parameter_name,
     parameter_name,
@@ -29,6 +30,7 @@ from coral_iac.gateway_config import (
 )
 from coral_iac.infra import EC2_ASSUME_ROLE, SECRET_SUFFIX, GatewayPeer, Region
 from solver.plan_schema import Plan
+from solver.stack import ModelSpec
 from solver.types import base_model
 
 
@@ -185,9 +187,13 @@ class Gateway(pulumi.ComponentResource):
         plan: Plan,
         addresses: Mapping[str, pulumi.Output[str]],
         states: Mapping[str, str] | None = None,
+        models: Mapping[str, ModelSpec] | None = None,
     ) -> dict[str, pulumi.Output[str]]:
-        """Declare the configuration parameter (updated in place); returns the URL per model."""
+        """Declare the configuration parameter (updated in place); returns the URL per model.
+        `models` (the serving fleet's specs, length buckets included): each backend admits what
+        the plan gives it (`gateway_limits`); None admits every request."""
         settings, port = self.args.settings, self.args.api_port
+        limits = gateway_limits(plan, models, states) if models is not None else None
 
         def pack(resolved: Mapping[str, str]) -> str:
             upstreams = gateway_upstreams(plan, resolved, states)
@@ -199,6 +205,7 @@ class Gateway(pulumi.ComponentResource):
                 api_key=self.args.api_key_secret is not None,
                 buckets=plan.buckets(),
                 tls=settings.tls_secret is not None,
+                limits=limits,
             )
             return parameter_value(config)
 
@@ -220,11 +227,11 @@ class Gateway(pulumi.ComponentResource):
             tags={"coral:stack": self.args.stack, "coral:role": "gateway"},
             opts=self._child,
         )
-        models = sorted(
+        names = sorted(
             {base_model(i.model) for i in plan.instances if i.phase in ("aggregated", "decode")}
         )
         self.register_outputs({"public_ip": self.public_ip, "url": self.url})
-        return {m: pulumi.Output.concat(self.url, f"/{m}/v1") for m in models}
+        return {m: pulumi.Output.concat(self.url, f"/{m}/v1") for m in names}
 
 
 def published_health(stack: str, provider: pulumi.ProviderResource) -> str | None:

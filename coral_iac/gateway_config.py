@@ -31,7 +31,8 @@ from coral_iac.deploy_settings import GatewaySettings
 from solver.errors import InputError
 from solver.operations.reconfiguration import IMAGE_SEP
 from solver.plan_schema import Instance, LengthBucket, Plan, template_ref
-from solver.stack import Region
+from solver.simulation.admission import AdmissionLimit, admission_limits
+from solver.stack import ModelSpec, Region
 from solver.types import BUCKET_SEP, FROZEN, base_model
 
 UpstreamState = Literal["ready", "starting", "draining"]
@@ -75,6 +76,9 @@ class Backend(BaseModel):
     name: str
     max_body_bytes: int | None
     upstreams: list[Upstream] = Field(min_length=1)
+    limit: AdmissionLimit | None = Field(
+        default=None, description="What it admits (None: every request)."
+    )
 
 
 class Route(BaseModel):
@@ -211,12 +215,15 @@ def render_haproxy_config(
     buckets: Mapping[str, LengthBucket] | None = None,
     stats_port: int = STATS_PORT,
     tls: bool = False,
+    limits: Mapping[str, AdmissionLimit] | None = None,
 ) -> str:
     """HAProxy's configuration: one route per model, one backend per model or per length
     bucket (`buckets`: the plan's, by name; `Plan.buckets()`), one server per upstream; with
     `api_key`, requests without the key in `API_KEY_FILE` get 401; with `tls`, the API port
     speaks HTTPS only, with the certificate in `TLS_FILE`. Its statistics answer on
-    127.0.0.1:`stats_port` only.
+    127.0.0.1:`stats_port` only. `limits` (`gateway_limits`): what each backend admits, by the
+    plan's model name; the excess gets 429 with `Retry-After` (a backend without one admits
+    every request).
 
     Raises:
         InputError: no upstream at all (nothing to route to), or an upstream of a length
@@ -243,6 +250,7 @@ def render_haproxy_config(
                 name=f"model_{n.replace(BUCKET_SEP, ':')}",
                 max_body_bytes=buckets[n].max_body_bytes if n in buckets else None,
                 upstreams=[u for u in upstreams if u.model == n],
+                limit=(limits or {}).get(n),
             )
             for n in names
         ]
@@ -262,6 +270,17 @@ def render_haproxy_config(
             tls_file=TLS_FILE if tls else None,
         )
     )
+
+
+def gateway_limits(
+    plan: Plan, models: Mapping[str, ModelSpec], states: Mapping[str, str] | None = None
+) -> dict[str, AdmissionLimit]:
+    """What the gateway admits per backend: `admission_limits` (the solver's rule, the one the
+    simulator verifies the plan with) over the instances that take requests, so a draining
+    replica's capacity is not admitted (`states` as for `gateway_upstreams`)."""
+    states = states or {}
+    serving = [i for i in plan.instances if states.get(i.key, "ready") != "draining"]
+    return admission_limits(plan.model_copy(update={"instances": serving}), models)
 
 
 def parameter_value(config: str) -> str:

@@ -301,7 +301,9 @@ def declare(
     outputs: dict[str, Any] = {}
     if gateway is not None:
         try:
-            by_model = gateway.publish(plan, upstreams, _gateway_states(plan, states or {}))
+            by_model = gateway.publish(
+                plan, upstreams, _gateway_states(plan, states or {}), fleet.models
+            )
         except CoralError as e:
             raise pulumi.RunError(str(e)) from None
         outputs = {"gateway": gateway.url, "gateway_endpoints": by_model}

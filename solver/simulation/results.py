@@ -1,5 +1,10 @@
 """What a simulation gives back: per-request times per model, and the summary people read
-(requests, goodput, SLO attainment, TTFT and TPOT percentiles)."""
+(requests, goodput, SLO attainment, TTFT and TPOT percentiles).
+
+With admission control (`solver.simulation.admission`), a result's arrays hold the admitted
+requests only and `shed` counts the others: `requests` and `slo_attainment` in the summary are
+the admitted ones'; `offered`, `shed` and `offered_attainment` (shed requests counted as misses)
+are added where any was shed."""
 
 from __future__ import annotations
 
@@ -20,6 +25,7 @@ class ModelResult:
     max_kv_used: dict[str, int] = field(default_factory=dict)  # instance -> peak KV tokens
     prefill_done_s: np.ndarray | None = None  # disaggregated: when prefill finished
     retried: int = 0  # requests cut by a spot preemption and retried on another instance
+    shed: int = 0  # requests the gateway's admission control answered 429 (not in the arrays)
 
     @property
     def ttft_ms(self) -> np.ndarray:
@@ -38,6 +44,26 @@ class ModelResult:
         done = np.isfinite(self.finish_s)
         met = done & (self.ttft_ms <= self.slo_ttft_ms) & (self.tpot_ms <= self.slo_tpot_ms)
         return np.asarray(met, dtype=bool)
+
+    @property
+    def offered(self) -> int:
+        """Requests sent: the admitted ones (the arrays) and the shed ones."""
+        return len(self.arrival_s) + self.shed
+
+    @property
+    def admitted_attainment(self) -> float:
+        """Share of the admitted requests meeting both SLOs (1 when none was admitted)."""
+        return float(self.met.mean()) if len(self.met) else 1.0
+
+    @property
+    def offered_attainment(self) -> float:
+        """Share of every request sent, shed ones included (as misses), meeting both SLOs."""
+        return float(self.met.sum()) / self.offered if self.offered else 1.0
+
+    @property
+    def shed_share(self) -> float:
+        """Share of the requests sent that the gateway shed."""
+        return self.shed / self.offered if self.offered else 0.0
 
 
 @dataclass
@@ -71,6 +97,20 @@ class SimResult:
 
         out: dict[str, object] = dict(stats(list(self.models.values())))
         by_model = {m: stats([r]) for m, r in sorted(self.models.items())}
+        if any(r.shed for r in self.models.values()):  # only where admission control shed some
+            rs = list(self.models.values())
+            offered = sum(r.offered for r in rs)
+            out.update(
+                offered=offered,
+                shed=sum(r.shed for r in rs),
+                offered_attainment=round(sum(float(r.met.sum()) for r in rs) / offered, 4),
+            )
+            for m, r in self.models.items():
+                by_model[m].update(
+                    offered=r.offered,
+                    shed=r.shed,
+                    offered_attainment=round(r.offered_attainment, 4),
+                )
         if any(r.retried for r in self.models.values()):  # only where preemptions cut some
             out["retried"] = sum(r.retried for r in self.models.values())
             for m, r in self.models.items():

@@ -57,6 +57,7 @@ from solver.errors import InputError
 from solver.performance.perf_model import PerfModel
 from solver.plan_schema import Plan, template_ref
 from solver.serving.instance_model import InstanceModel
+from solver.simulation.admission import AdmissionLimit, admit
 from solver.simulation.preemption import Outage, serving_periods
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.traces import Trace, WorkloadShape, generate_trace
@@ -487,10 +488,14 @@ def simulate(
     traces: dict[str, Trace],
     duration_s: float,
     outages: Sequence[Outage] = (),
+    admission: Mapping[str, AdmissionLimit] | None = None,
 ) -> SimResult:
     """Simulate every model's trace on the plan's instances (`models`: the stack's model
     specs, by name). `outages`: spot preemptions to replay (`solver.simulation.preemption`;
     module doc); a (model, phase) none of whose instances has one runs as without them.
+    `admission`: the gateway's limits by model (`admission.admission_limits`); a model's
+    requests over its limit are shed (answered 429 at once) and only the admitted ones reach
+    its instances; each result counts the shed ones (`ModelResult.shed`).
 
     Raises:
         InputError: an outage of an instance the plan does not have.
@@ -504,8 +509,9 @@ def simulate(
             "give outages of the simulated plan's instances (its instances[].key)",
         )
     results = {}
-    for model, trace in sorted(traces.items()):
+    for model, offered in sorted(traces.items()):
         spec = models[model]
+        trace, shed = _admitted(offered, (admission or {}).get(model))
         by_phase: dict[str, list[InstanceModel]] = {}
         names: dict[str, list[str]] = {}
         shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
@@ -609,8 +615,18 @@ def simulate(
             peaks,
             prefill_done,
             int(retried.sum()),
+            shed,
         )
     return SimResult(duration_s, results)
+
+
+def _admitted(trace: Trace, limit: AdmissionLimit | None) -> tuple[Trace, int]:
+    """The requests of `trace` the gateway's `limit` admits, and how many it sheds."""
+    if limit is None:
+        return trace, 0
+    keep = admit(trace.arrival_s, limit)
+    kept = Trace(trace.arrival_s[keep], trace.prompt[keep], trace.output[keep])
+    return kept, int(len(trace) - keep.sum())
 
 
 def capacity_check(

@@ -23,6 +23,7 @@ from coral_iac.cli.app import app
 from coral_iac.gateway_config import (
     TLS_FILE,
     WEIGHT_MAX,
+    gateway_limits,
     gateway_upstreams,
     health_parameter_name,
     parameter_name,
@@ -34,8 +35,10 @@ from coral_iac.preview import _ip
 from solver.errors import InputError
 from solver.plan_schema import Instance, Plan, instance_key, template_ref
 from solver.serving.serving_template import ServingTemplate, Stage, StageMember
+from solver.stack import ModelSpec
 from tests.conftest import REPO
 from tests.deploy.test_program import stacks_with
+from tests.factories import PHI4_SPEC
 
 GOLDEN = REPO / "tests" / "golden" / "gateway"
 
@@ -112,18 +115,38 @@ def addresses(plan: Plan, port: int = 8000) -> dict[str, str]:
     return {k: f"10.0.{n}.{10 + n}:{port}" for n, k in enumerate(serving_keys(plan))}
 
 
+def spec(requests_per_s: float) -> ModelSpec:
+    """A model at PHI4_SPEC's SLOs and lengths with this demand."""
+    return ModelSpec.model_validate({**PHI4_SPEC, "demand": {"requests_per_s": requests_per_s}})
+
+
+# The golden plans' models: phi-4 and qwen3-32b served in full (their gateway admits their
+# capacity at the target), llama3.1-70b scarce (it admits its served share of the demand).
+GOLDEN_MODELS = {"phi-4": spec(3.0), "qwen3-32b": spec(2.0), "llama3.1-70b": spec(60.0)}
+
+
 def golden_cases() -> dict[str, str]:
     agg = make_plan(AGGREGATED)
-    dis = make_plan(DISAGGREGATED)
+    dis = make_plan(DISAGGREGATED).model_copy(
+        update={"served_fraction": 0.5, "served_fractions": {"llama3.1-70b": 0.5}}
+    )
     dis_keys = serving_keys(dis)
     # A transition: one decode replica leaving the plan, one new and still loading.
     states = {dis_keys[0]: "draining", dis_keys[-1]: "starting"}
     return {
         "aggregated/haproxy.cfg": render_haproxy_config(
-            gateway_upstreams(agg, addresses(agg)), "golden", 8000, 2000
+            gateway_upstreams(agg, addresses(agg)),
+            "golden",
+            8000,
+            2000,
+            limits=gateway_limits(agg, GOLDEN_MODELS),
         ),
         "disaggregated/haproxy.cfg": render_haproxy_config(
-            gateway_upstreams(dis, addresses(dis), states), "golden", 8000, 2000
+            gateway_upstreams(dis, addresses(dis), states),
+            "golden",
+            8000,
+            2000,
+            limits=gateway_limits(dis, GOLDEN_MODELS, states),
         ),
         "cloud-config.yaml": render_gateway_user_data("golden", "us-east-2", 8000),
         "tls/haproxy.cfg": render_haproxy_config(

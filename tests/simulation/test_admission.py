@@ -1,0 +1,103 @@
+"""Admission control's rule: what the plan admits per model, which requests a stream keeps, and
+the simulator shedding the rest. The same rule against the real HAProxy:
+tests/deploy/test_gateway_admission.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from solver.performance.default_model import load_perf_model
+from solver.simulation.admission import MIN_COUNT, admission_limits, admit, capacity_rps
+from solver.simulation.simulator import simulate
+from solver.simulation.traces import WorkloadShape, generate_trace
+from solver.stack import ModelSpec
+from tests.deploy.test_gateway import DISAGGREGATED, make_plan
+from tests.factories import PHI4_SPEC
+
+
+def spec(rps: float, prompt: float = 1020, output: float = 129) -> ModelSpec:
+    return ModelSpec.model_validate(
+        {
+            **PHI4_SPEC,
+            "mean_prompt_tokens": prompt,
+            "mean_output_tokens": output,
+            "demand": {"requests_per_s": rps},
+        }
+    )
+
+
+AGG = [("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 3)]
+
+
+def test_a_fully_served_model_admits_its_capacity_whatever_the_stated_demand():
+    plan = make_plan(AGG)
+    low = admission_limits(plan, {"phi-4": spec(1.0)})["phi-4"]
+    high = admission_limits(plan, {"phi-4": spec(5.5)})["phi-4"]
+    assert low.basis == high.basis == "capacity at target"
+    assert low.requests_per_s == high.requests_per_s == 6.0  # three instances of 2 requests/s
+    assert capacity_rps(plan, {"phi-4": spec(1.0)}) == capacity_rps(plan, {"phi-4": spec(5.5)})
+
+
+def test_a_scarce_model_admits_its_served_share_of_the_demand():
+    plan = make_plan(AGG).model_copy(
+        update={"served_fraction": 0.25, "served_fractions": {"phi-4": 0.25}}
+    )
+    limit = admission_limits(plan, {"phi-4": spec(20.0)})["phi-4"]
+    assert limit.basis == "served share"
+    assert limit.requests_per_s == pytest.approx(5.0)
+    # Whole requests per period, never above the rate, off by at most 1 / MIN_COUNT.
+    assert limit.count >= MIN_COUNT
+    assert 5.0 * (1 - 1 / MIN_COUNT) <= limit.admitted_per_s <= 5.0
+
+
+def test_a_disaggregated_model_admits_what_its_scarcer_phase_serves():
+    plan = make_plan(DISAGGREGATED)
+    # prefill 2 x 40,000 prompt tokens/s, decode 2 x 3,000 + 1,900 output tokens/s
+    caps = capacity_rps(plan, {"llama3.1-70b": spec(1.0, prompt=1000, output=100)})
+    assert caps["llama3.1-70b"] == pytest.approx(min(80_000 / 1000, 7_900 / 100))
+    caps = capacity_rps(plan, {"llama3.1-70b": spec(1.0, prompt=4000, output=100)})
+    assert caps["llama3.1-70b"] == pytest.approx(20.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    count=st.integers(1, 200),
+    period=st.sampled_from([1, 2, 5, 10, 30, 60]),
+    overload=st.floats(1.2, 5.0),
+)
+def test_over_a_long_run_the_admitted_rate_is_the_limit(count, period, overload):
+    limit = admission_limits(make_plan(AGG), {"phi-4": spec(0.1)})["phi-4"].model_copy(
+        update={"count": count, "period_s": period}
+    )
+    rate = overload * count / period
+    n = int(rate * period * 20)  # twenty periods of evenly spaced arrivals
+    arrivals = np.arange(n) / rate
+    kept = admit(arrivals, limit)
+    span = arrivals[-1]
+    # The first period may admit its whole count at once, then the window holds `count`.
+    assert kept.sum() <= count * (span / period + 2)
+    assert kept.sum() >= count * (span / period - 2)
+    # Below the limit, nothing is shed.
+    slow = np.arange(n) / (0.8 * count / period)
+    assert admit(slow, limit).all()
+
+
+def test_the_simulator_sheds_the_excess_and_counts_it():
+    perf = load_perf_model()
+    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
+    models = {"phi-4": spec(4.0)}  # twice what the one instance is planned to serve
+    trace = generate_trace(4.0, 300, 1020, 129, shape=WorkloadShape(1.0, 0.0, 0.0), seed=3)
+    limits = admission_limits(plan, models)
+    shed = simulate(plan, models, perf, {"phi-4": trace}, 300.0, admission=limits)
+    flooded = simulate(plan, models, perf, {"phi-4": trace}, 300.0)
+    r = shed.models["phi-4"]
+    assert r.offered == len(trace)
+    assert r.shed == len(trace) - int(admit(trace.arrival_s, limits["phi-4"]).sum()) > 0
+    assert r.offered_attainment <= r.admitted_attainment
+    # Shedding half keeps the admitted ones' latency: without it every request waits longer.
+    assert np.median(r.ttft_ms) < np.median(flooded.models["phi-4"].ttft_ms)
+    summary = shed.summary()["by_model"]["phi-4"]  # type: ignore[index]
+    assert summary["shed"] == r.shed and summary["offered"] == len(trace)
