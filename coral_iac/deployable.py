@@ -50,6 +50,13 @@ def deploy_problems(
         problems.append("the plan serves none of the demand: " + "; ".join(plan.binding))
     if not attainment.accept_below_target:
         for a in plan.below_target():
+            if not a.short_by:  # at the target, on too few held-out requests to say so
+                problems.append(
+                    f"{a.model}'s claim of {100 * (a.judged or 0):.1f}% is not supported: "
+                    f"{a.unsupported}, or set coral:attainment.accept_below_target: true to "
+                    "deploy it anyway"
+                )
+                continue
             problems.append(
                 f"{a.model} meets its SLOs for {100 * (a.judged or 0):.1f}% of requests in "
                 f"simulation, below its target {100 * a.target:g}% ({a.cause}); raise "

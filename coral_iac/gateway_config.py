@@ -31,7 +31,12 @@ from coral_iac.deploy_settings import GatewaySettings
 from solver.errors import InputError
 from solver.operations.reconfiguration import IMAGE_SEP
 from solver.plan_schema import Instance, LengthBucket, Plan, template_ref
-from solver.simulation.admission import AdmissionLimit, admission_limits
+from solver.simulation.admission import (
+    AdmissionLimit,
+    admission_limits,
+    capacity_rps,
+    request_rates,
+)
 from solver.stack import ModelSpec, Region
 from solver.types import BUCKET_SEP, FROZEN, base_model
 
@@ -281,6 +286,52 @@ def gateway_limits(
     states = states or {}
     serving = [i for i in plan.instances if states.get(i.key, "ready") != "draining"]
     return admission_limits(plan.model_copy(update={"instances": serving}), models)
+
+
+class AdmissionRow(BaseModel):
+    """One model's line of `coral plan`'s admission table: what the gateway admits, against
+    its demand and its capacity (both in requests/s)."""
+
+    model_config = FROZEN
+    model: str
+    demand_rps: float
+    capacity_rps: float = Field(description="At the SLO attainment target, whatever the demand.")
+    admitted_rps: float = Field(description="What HAProxy enforces (count / period).")
+    basis: str
+    count: int
+    period_s: int
+    retry_after_s: int
+
+
+def admission_rows(plan: Plan, models: Mapping[str, ModelSpec]) -> list[AdmissionRow]:
+    """Per model of the plan (length buckets apart): its demand, its capacity and what the
+    gateway admits (`gateway_limits`)."""
+    limits = gateway_limits(plan, models)
+    capacity = capacity_rps(plan, models)
+    rates = request_rates(plan, models)
+    return [
+        AdmissionRow(
+            model=name,
+            demand_rps=round(rates.get(name, 0.0), 4),
+            capacity_rps=round(capacity.get(name, 0.0), 4),
+            admitted_rps=round(limit.admitted_per_s, 4),
+            basis=limit.basis,
+            count=limit.count,
+            period_s=limit.period_s,
+            retry_after_s=limit.retry_after_s,
+        )
+        for name, limit in sorted(limits.items())
+    ]
+
+
+# What protects the replicas where no gateway runs (docs/gateway.md, "Without a gateway").
+NO_GATEWAY_ADMISSION = (
+    "no gateway, so nothing sheds excess requests: each vLLM server runs at most "
+    "--max-num-seqs requests at once and queues the rest without bound, so traffic above the "
+    "plan (a scarce plan's unserved share, or a spike) delays every request. Put a rate limit "
+    "in front of the replicas (deploy.gateway.enabled with an aws region does), or plan for "
+    "the spike"
+)
 
 
 def parameter_value(config: str) -> str:

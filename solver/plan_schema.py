@@ -8,6 +8,7 @@ spot instance's has its zone before the index: `.../<template key>/spot-<zone>/<
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
@@ -17,6 +18,10 @@ from solver.types import BUCKET_SEP, FROZEN, LibPhase
 
 if TYPE_CHECKING:
     from solver.catalog.offers import Catalog
+
+# A claim of attainment at a target needs held-out requests enough for this many misses at the
+# target's rate: with fewer, one request more or less moves the estimate past the target.
+MIN_EXPECTED_MISSES = 10
 
 Method = Literal["coral", "homo", "cauchy", "homo-paper", "cauchy-paper"]
 """homo/cauchy: today's stronger baselines; *-paper: the paper's, single-node replicas
@@ -131,6 +136,54 @@ class ModelAttainment(BaseModel):
         "retried on another instance). A report beside `verified`, not what the plan is judged "
         "by. None when the model runs no spot instance or verification is off.",
     )
+
+    shed: float | None = Field(
+        default=None,
+        description="Share of the verification workload's requests (at the whole demand) the "
+        "gateway's admission control sheds with a 429: the part of the demand a scarce plan "
+        "does not serve, and bursts above the capacity of a plan that serves it all. `verified` "
+        "and `replayed` are the admitted requests' attainment.",
+    )
+    held_out_lower: float | None = Field(
+        default=None,
+        description="One-sided 95% lower confidence bound of `verified` (batch means over the "
+        "held-out requests in arrival order).",
+    )
+    spike: float | None = Field(
+        default=None,
+        description="Admitted requests' attainment with the verification workload at "
+        "SPIKE_LOAD (1.5) x the demand, behind the same admission control.",
+    )
+    spike_shed: float | None = Field(
+        default=None, description="Share of that spike's requests the gateway sheds."
+    )
+
+    @property
+    def margin(self) -> float | None:
+        """How far the claim (`judged`) stands above the held-out estimate's lower bound: the
+        part of the claim the held-out sample cannot vouch for."""
+        if self.judged is None or self.held_out_lower is None:
+            return None
+        return self.judged - self.held_out_lower
+
+    @property
+    def needed_requests(self) -> int:
+        """Held-out requests a claim at the target needs: enough for MIN_EXPECTED_MISSES misses
+        at the target's rate (a 99% claim from 300 requests rests on three misses)."""
+        if self.target >= 1:
+            return 0
+        return math.ceil(MIN_EXPECTED_MISSES / (1 - self.target) - 1e-9)
+
+    @property
+    def unsupported(self) -> str:
+        """Why the held-out sample cannot support a claim at the target ('' when it can)."""
+        if self.verified is None or self.verified_requests >= self.needed_requests:
+            return ""
+        return (
+            f"its held-out sample ({self.verified_requests} requests) is too small to support "
+            f"a {100 * self.target:g}% target: that needs at least {self.needed_requests}; raise "
+            "coral:fleet.attainment.verify_minutes"
+        )
 
     @model_serializer(mode="wrap")
     def _no_spot_as_before(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
@@ -261,9 +314,14 @@ class Plan(BaseModel):
         return sum(catalog.node(n).gpu_count for i in self.instances for n in i.nodes)
 
     def below_target(self) -> list[ModelAttainment]:
-        """Models whose verified attainment is below their target (a routed model is judged as
-        a whole: its buckets share its miss budget)."""
-        return [a for a in self.attainment if a.short_by > 0 and BUCKET_SEP not in a.model]
+        """Models whose verified attainment is below their target, or whose held-out sample is
+        too small to support it (`ModelAttainment.unsupported`); a routed model is judged as
+        a whole: its buckets share its miss budget."""
+        return [
+            a
+            for a in self.attainment
+            if (a.short_by > 0 or a.unsupported) and BUCKET_SEP not in a.model
+        ]
 
     def buckets(self) -> dict[str, LengthBucket]:
         """Bucket name -> bucket, for every routed model."""

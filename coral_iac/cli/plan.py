@@ -7,10 +7,12 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+from pydantic import BaseModel
 from rich.text import Text
 from typer.core import TyperGroup
 
 from coral_iac.cli.console import (
+    FittedTable,
     err,
     library_root,
     load_stack_named,
@@ -22,7 +24,14 @@ from coral_iac.cli.console import (
     warn,
 )
 from coral_iac.cli.plan_output import REPLAY_TOLERANCE, diff_table, show_plan
+from coral_iac.deploy_settings import load_deploy_settings
 from coral_iac.deployable import deploy_problems, unverified_placements
+from coral_iac.gateway_config import (
+    NO_GATEWAY_ADMISSION,
+    AdmissionRow,
+    admission_rows,
+    gateway_region,
+)
 from solver.catalog.vllm_support import check_deployable_gpus
 from solver.errors import InputError
 from solver.io import check_replaceable, parse_model, read_text, write_atomic
@@ -126,7 +135,7 @@ def plan(
     if out_file is not None:  # before minutes of planning, not after
         check_replaceable(out_file)
     with timed() as times:
-        result, problems = make_plan(
+        result, problems, admission = make_plan(
             stack, baseline or "coral", previous, library, workers, add_only, force
         )
     if (line := gap_warning(result)) is not None:
@@ -139,10 +148,16 @@ def plan(
         write_atomic(out_file, result.model_dump_json(indent=1) + "\n")  # checks it again
     unverified = unverified_placements(result)
     if as_json:
-        extra = {"deploy_problems": problems, "unverified": unverified, "timings": times.table()}
+        extra = {
+            "deploy_problems": problems,
+            "unverified": unverified,
+            "timings": times.table(),
+            "admission": admission.model_dump(mode="json"),
+        }
         print_json(plan_json(result) | extra)
     else:
         show_plan(result)
+        show_admission(admission)
         err.print(phase_line(times), highlight=False)
         if write:
             err.print(f"Wrote {out_file}")
@@ -150,14 +165,19 @@ def plan(
     for line in unverified:
         warn(line)
     for a in result.below_target():
+        if not a.short_by:  # at its target on too few held-out requests
+            warn(f"{a.model}: the claim of {100 * (a.judged or 0):.1f}% is refused: {a.unsupported}")
+            continue
         warn(
             f"{a.model}: SLO attainment {100 * (a.judged or 0):.1f}% on the "
             + ("whole trace" if a.judged != a.verified else "verification workload")
             + f", {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
-    for line in zone_loss_warnings(result):
+    for line in zone_loss_warnings(result) + spike_warnings(result) + workload_warnings(result):
         warn(line)
+    if admission.gateway is None and result.serves_any():
+        warn(f"admission: {NO_GATEWAY_ADMISSION}")
     for a in result.attainment:
         if a.replay_gap > REPLAY_TOLERANCE:
             warn(
@@ -199,9 +219,9 @@ def make_plan(
     workers: int,
     add_only: bool = False,
     force: bool = False,
-) -> tuple[Any, list[str]]:
-    """Load the stack, its libraries and the running plan; solve; validate; return the plan and
-    why the Pulumi program would refuse it (empty: it deploys).
+) -> tuple[Any, list[str], Admission]:
+    """Load the stack, its libraries and the running plan; solve; validate; return the plan,
+    why the Pulumi program would refuse it (empty: it deploys) and what its gateway admits.
 
     `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
     """
@@ -248,9 +268,78 @@ def make_plan(
             on_round=lambda line: err.print(f"SLO closed loop, {line}", highlight=False),
             force=force,
         )
-    return result, deploy_problems(
+    problems = deploy_problems(
         result, perf.catalog, fleet.library, fleet.allocation, fleet.attainment
     )
+    return result, problems, admission_report(result, fleet, stack)
+
+
+class Admission(BaseModel):
+    """What `coral plan` says of admission control: where the gateway runs (None: none), and
+    per model what it admits."""
+
+    gateway: str | None
+    models: list[AdmissionRow]
+
+
+def admission_report(plan: Any, fleet: Any, stack: str) -> Admission:
+    """The gateway's admission per model for `plan`, as the Pulumi program would configure it,
+    with the stack's gateway region (None where the stack runs no gateway)."""
+    from solver.plan.length_routing import fleet_for_plan  # deferred: the planner's imports
+
+    deploy = load_deploy_settings(stacks_dir(), stack)
+    region = gateway_region(fleet.regions, deploy.gateway) if deploy.gateway.enabled else None
+    routed = fleet_for_plan(fleet, plan)  # length buckets as models of their own
+    return Admission(gateway=region, models=admission_rows(plan, routed.models))
+
+
+def show_admission(admission: Admission) -> None:
+    """`coral plan`'s admission table: per model, demand, capacity and what the gateway admits."""
+    if not admission.models:
+        return
+    where = (
+        f"at the gateway ({admission.gateway}): the excess gets 429 with Retry-After"
+        if admission.gateway
+        else "NOT enforced: the stack runs no gateway"
+    )
+    table = FittedTable(title=f"Admission control, requests/s ({where})")
+    for col in ("model", "demand", "capacity at target", "admitted", "as HAProxy counts", "basis"):
+        table.add_column(col, justify="left" if col in ("model", "basis") else "right")
+    for r in admission.models:
+        table.add_row(
+            r.model,
+            f"{r.demand_rps:,.3g}",
+            f"{r.capacity_rps:,.3g}",
+            f"{r.admitted_rps:,.3g}",
+            f"{r.count} per {r.period_s} s",
+            r.basis,
+        )
+    out.print(table)
+
+
+def spike_warnings(plan: Plan) -> list[str]:
+    """A line per model whose admitted requests miss the target at SPIKE_LOAD x its demand."""
+    return [
+        f"{a.model}: at 1.5x its demand the gateway sheds {100 * (a.spike_shed or 0):.1f}% and "
+        f"the admitted requests meet the SLOs {100 * a.spike:.1f}% of the time, below the "
+        f"target {100 * a.target:g}%: its capacity at the target is more than its instances "
+        "hold under a burst. Lower coral:fleet.allocation.target_utilization for room, or "
+        "accept that spikes degrade it"
+        for a in plan.attainment
+        if a.spike is not None and a.spike < a.target and "@" not in a.model
+    ]
+
+
+def workload_warnings(plan: Plan) -> list[str]:
+    """A line per model judged on generated requests rather than a trace of its traffic."""
+    return [
+        f"{a.model}: judged on {a.workload}: requests drawn from a named shape at the stated "
+        "mean lengths, whose tails and bursts may not be your traffic's. Set the model's "
+        "workload_trace to a CSV of your own requests (timestamp,prompt_tokens,output_tokens) "
+        "to plan and verify on them (docs/slo-attainment.md)"
+        for a in plan.attainment
+        if a.workload.startswith("generated") and "@" not in a.model
+    ]
 
 
 def load_plan(path: Path) -> Any:

@@ -83,15 +83,20 @@ def solver_line(p: Any) -> str:
 
 def attainment_table(p: Any) -> FittedTable:
     """Per model: SLO attainment target, on the planning workload, and verified on requests
-    the planner never saw, with whether it meets the target. For a trace-backed model the
-    verified share is the lower of the trace's held-out windows and the whole trace
+    the planner never saw at the whole demand behind the gateway's admission control (the
+    admitted requests' share, with the margin the held-out sample cannot vouch for), the share
+    shed, and the same at 1.5x the demand (a spike). For a trace-backed model the verified
+    share is the lower of the trace's held-out windows and the whole trace
     (`ModelAttainment.judged`), both shown before it; the closed loop's headroom per phase."""
     table = FittedTable(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
     replayed = any(a.replayed is not None for a in p.attainment)
     evidence = ("held-out", "whole trace") if replayed else ()
     spot = any(a.under_preemption is not None for a in p.attainment)
     lost = ("one spot zone lost",) if spot else ()
-    cols = ("model / workload", "target", "planned", *evidence, "verified", *lost, "headroom")
+    sheds = any(a.shed is not None for a in p.attainment)
+    admitted = ("shed", "1.5x demand") if sheds else ()
+    cols = ("model / workload", "target", "planned", *evidence, "verified", *admitted, *lost)
+    cols = (*cols, "headroom")
     for col in cols:
         table.add_column(col, justify="left" if col in (cols[0], "headroom") else "right")
 
@@ -102,15 +107,24 @@ def attainment_table(p: Any) -> FittedTable:
         status = "[green]meets[/]" if a.verified is not None and not a.short_by else ""
         if a.short_by:
             status = f"[red]short {100 * a.short_by:.1f} pts[/]"
+        elif a.unsupported:
+            status = "[red]too few requests[/]"
         if "@" in a.model:  # a length bucket: its model as a whole is judged on its own row
             status = "bucket" if not a.short_by else f"bucket, {100 * a.short_by:.1f} pts under"
+        margin = f"\nmargin {100 * a.margin:+.1f} pts" if a.margin is not None else ""
         held_out = f"{pct(a.verified)}\n({a.verified_minutes:g} min)"
-        verified = f"{pct(a.judged)}\n{status}"
+        verified = f"{pct(a.judged)}{margin}\n{status}"
+        spike = f"{pct(a.spike)}\n{pct(a.spike_shed)} shed" if a.spike is not None else "-"
         table.add_row(
             f"{a.model}\n{a.workload}",
             pct(a.target),
             pct(a.planned),
-            *((held_out, pct(a.replayed), verified) if replayed else (f"{held_out}\n{status}",)),
+            *(
+                (held_out, pct(a.replayed), verified)
+                if replayed
+                else (f"{held_out}{margin}\n{status}",)
+            ),
+            *((pct(a.shed), spike) if sheds else ()),
             *((pct(a.under_preemption),) if spot else ()),
             "\n".join(f"{ph} {k:.2f}" for ph, k in a.headroom.items()) or "-",
         )

@@ -24,7 +24,13 @@ from solver.errors import InputError
 def simulate_cmd(
     stack: Annotated[str, typer.Option(help="Stack name (SLOs, request shapes, demand).")],
     plan_file: Annotated[Path, typer.Option("--plan", help="plan.json from `coral plan --out`.")],
-    duration: Annotated[float, typer.Option(help="Simulated seconds.")] = 600,
+    duration: Annotated[
+        float | None,
+        typer.Option(
+            help="Simulated seconds (default 600). With --trace-dir: replay only the traces' "
+            "first this many seconds (default: all of them)."
+        ),
+    ] = None,
     load: Annotated[float, typer.Option(help="Demand multiplier (1 = the stack's demand).")] = 1.0,
     trace_dir: Annotated[
         Path | None, typer.Option(help="Folder of <model>.csv traces (timestamp,prompt,output).")
@@ -55,6 +61,13 @@ def simulate_cmd(
             min=0,
         ),
     ] = 0.0,
+    admission: Annotated[
+        bool,
+        typer.Option(
+            help="Shed what the plan does not admit, as the gateway does (docs/gateway.md, "
+            "'Admission control'); --no-admission sends every request to the replicas.",
+        ),
+    ] = True,
 ) -> None:
     """Simulate a plan: goodput, SLO attainment, TTFT and TPOT percentiles, per model."""
 
@@ -65,10 +78,11 @@ def simulate_cmd(
     from coral_iac.demand_sources import resolve_demand
     from solver.performance.default_model import load_perf_model
     from solver.plan.length_routing import fleet_for_plan
+    from solver.simulation.admission import admission_limits
     from solver.simulation.simulator import simulate
     from solver.simulation.traces import load_trace_csv
 
-    for name, value in (("--duration", duration), ("--load", load)):
+    for name, value in (("--duration", 600.0 if duration is None else duration), ("--load", load)):
         if not math.isfinite(value) or value <= 0:
             example = "600" if name == "--duration" else "1.0"
             raise InputError(
@@ -80,7 +94,7 @@ def simulate_cmd(
     fleet = fleet_for_plan(fleet, plan)  # a routed model's length buckets
     perf = load_perf_model(cards=fleet.model_cards)
     if capacity:
-        _capacity(plan, fleet, perf, duration, as_json)
+        _capacity(plan, fleet, perf, duration or 600.0, as_json)
         return
     if trace_dir is not None:
         traces = {}
@@ -92,18 +106,32 @@ def simulate_cmd(
                     keep &= t.prompt <= cut.max_prompt_tokens
                 t = type(t)(t.arrival_s[keep], t.prompt[keep], t.output[keep])
             traces[m] = t
+        traces, span = _replay_span(traces, duration)
+        what = f"{span:g} s of the traces in {trace_dir} (at their own rate)"
     else:
-        traces = stack_workload(fleet, duration, load, seed)
-    replayed = _outages(plan, fleet, perf, duration, seed, outages, preemptions)
-    summary = simulate(plan, fleet.models, perf, traces, duration, replayed).summary()
+        span = duration or 600.0
+        traces = stack_workload(fleet, span, load, seed)
+        what = f"{span:g} s of {stack} at {load:g}x demand"
+    replayed = _outages(plan, fleet, perf, span, seed, outages, preemptions)
+    limits = admission_limits(plan, fleet.models) if admission else None
+    summary = simulate(plan, fleet.models, perf, traces, span, replayed, limits).summary()
+    summary["duration_s"] = span
+    summary["admission"] = (
+        {m: limit.model_dump(mode="json") for m, limit in limits.items()} if limits else None
+    )
     if as_json:
         print_json(summary)
         return
     lost = f", {len(replayed)} spot outages" if replayed else ""
-    table = FittedTable(title=f"Simulated {duration:g} s of {stack} at {load:g}x demand{lost}")
+    gate = "behind the gateway's admission control" if admission else "without admission control"
+    table = FittedTable(title=f"Simulated {what}{lost}, {gate}")
+    shed = "shed" in summary
     cols: tuple[str, ...] = (
         "model", "requests", "goodput tok/s", "SLO met", "TTFT p50/p99 ms", "TPOT p50/p99 ms"
     )  # fmt: skip
+    if shed:
+        cols = ("model", "offered", "admitted", "shed", "SLO met of admitted",
+                "SLO met of offered", *cols[2:])  # fmt: skip
     if replayed:
         cols = (*cols, "retried")
     for col in cols:
@@ -111,11 +139,22 @@ def simulate_cmd(
     rows = dict(summary["by_model"])  # type: ignore[call-overload]
     rows["all"] = summary
     for model, r in rows.items():
+        counts = (
+            (
+                str(r.get("offered", r["requests"])),
+                str(r["requests"]),
+                str(r.get("shed", 0)),
+                f"{100 * r['slo_attainment']:.1f}%",
+                f"{100 * r.get('offered_attainment', r['slo_attainment']):.1f}%",
+            )
+            if shed
+            else (str(r["requests"]),)
+        )
         table.add_row(
             model,
-            str(r["requests"]),
+            *counts,
             f"{r['goodput_tokens_per_s']:,.0f}",
-            f"{100 * r['slo_attainment']:.1f}%",
+            *(() if shed else (f"{100 * r['slo_attainment']:.1f}%",)),
             f"{_ms(r['ttft_p50_ms'], 0)} / {_ms(r['ttft_p99_ms'], 0)}",
             f"{_ms(r['tpot_p50_ms'], 1)} / {_ms(r['tpot_p99_ms'], 1)}",
             *([str(r.get("retried", 0))] if replayed else []),
@@ -156,6 +195,21 @@ def _outages(
         for slot, t in spot.items()
     }
     return sample_outages(plan.instances, stressed, duration, boot_s, seed)
+
+
+def _replay_span(traces: dict[str, Any], duration: float | None) -> tuple[dict[str, Any], float]:
+    """The traces from their first request (the earliest of any model's), cut to `duration`
+    seconds when given, and the span they cover (goodput is per this span, not per a duration
+    they do not fill)."""
+    start = min((float(t.arrival_s[0]) for t in traces.values() if len(t)), default=0.0)
+    cut: dict[str, Any] = {}
+    for m, t in traces.items():
+        at = t.arrival_s - start
+        keep = at < duration if duration is not None else at >= 0
+        cut[m] = type(t)(at[keep], t.prompt[keep], t.output[keep])
+    last = max((float(t.arrival_s[-1]) for t in cut.values() if len(t)), default=0.0)
+    span = duration if duration is not None else last
+    return cut, max(span, 1e-9)
 
 
 def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:

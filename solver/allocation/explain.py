@@ -5,9 +5,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+from scipy.optimize import linprog
+
 from solver.allocation.constraints import FRACTION_STEPS, Row, Slot
-from solver.allocation.problem import Problem, upper_bound
-from solver.catalog.market import RegionId, region_name
+from solver.allocation.problem import Column, Problem
+from solver.catalog.market import Market, RegionId, region_name
 from solver.types import Job
 
 
@@ -82,38 +85,65 @@ def _budget(problem: Problem, solved: MostServed) -> list[str]:
 
 
 def _short_alone(problem: Problem) -> list[str]:
-    """Jobs m whose columns cannot reach D[m] even with every node to themselves."""
+    """Jobs m whose columns cannot reach D[m] even with every node to themselves: the most
+    throughput its columns reach sharing the region's available nodes and GPU pools among
+    themselves alone (`_alone_throughput`, an LP: an upper bound on what it can be served)."""
     cols, market = problem.columns, problem.market
-    alone: dict[Job, float] = {}
-    for c in cols:
-        ub = upper_bound(c, market, problem.demand[c.job] * 1e6)
-        alone[c.job] = alone.get(c.job, 0.0) + c.template.throughput * ub
     out = []
     for job in sorted(problem.demand):
         d = problem.demand[job]
-        if d <= 0 or alone.get(job, 0.0) >= d:
+        mine = [c for c in cols if c.job == job]
+        if d <= 0:
             continue
-        if job not in alone:
+        if not mine:
             out.append(
                 f"{job[0]} {job[1]}: no serving template fits any region's node configs; "
                 f"add larger node configs or regions, or relax its SLO"
             )
             continue
+        alone = _alone_throughput(mine, market)
+        if alone >= d * (1 - 1e-9):
+            continue
         short = sorted(
             {
                 f"{n} in {region_name(c.region)} ({market.available[(c.region, n)]})"
-                for c in cols
-                if c.job == job
+                for c in mine
                 for n, _ in c.usage
             }
         )
         out.append(
-            f"{job[0]} {job[1]}: even with every node to itself it gets "
-            f"{100 * alone[job] / d:.0f}% of its demand; its templates use "
-            f"{', '.join(short[:6])}{' ...' if len(short) > 6 else ''} (available nodes in "
-            f"brackets): raise those under coral:fleet.availability or gpu_pools"
+            f"{job[0]} {job[1]}: even with every available node to itself (no other model or "
+            f"phase on any) it could get at most {100 * alone / d:.0f}% of its demand; its "
+            f"templates use {', '.join(short[:6])}{' ...' if len(short) > 6 else ''} (available "
+            f"nodes in brackets): raise those under coral:fleet.availability or gpu_pools"
         )
     return out
+
+
+def _alone_throughput(cols: list[Column], market: Market) -> float:
+    """The most throughput `cols` (one job's) reach on the available nodes and GPU pools of
+    their regions, fractional instances allowed: each node config and pool shared among the
+    job's own columns, not counted once per column."""
+    rows: dict[tuple[object, ...], dict[int, float]] = {}
+    limits: dict[tuple[object, ...], float] = {}
+    for k, c in enumerate(cols):
+        for n, count in c.usage:
+            key: tuple[object, ...] = ("node", c.region, n)
+            rows.setdefault(key, {})[k] = rows.get(key, {}).get(k, 0.0) + count
+            limits[key] = market.available[(c.region, n)]
+            gpu, per_node = market.gpu_of[n]
+            if (c.region, gpu) in market.gpu_pools:
+                pool: tuple[object, ...] = ("pool", c.region, gpu)
+                rows.setdefault(pool, {})[k] = rows.get(pool, {}).get(k, 0.0) + count * per_node
+                limits[pool] = market.gpu_pools[(c.region, gpu)]
+    a = np.zeros((len(rows), len(cols)))
+    for r, key in enumerate(rows):
+        for k, v in rows[key].items():
+            a[r, k] = v
+    b = np.array([limits[key] for key in rows])
+    gain = -np.array([c.template.throughput for c in cols])
+    result = linprog(gain, A_ub=a, b_ub=b, bounds=(0, None), method="highs")
+    return float(-result.fun) if result.status == 0 else 0.0
 
 
 def _no_common_instance(problem: Problem) -> str:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+from scipy.stats import t as student_t
 
 from solver import timing
 from solver.capacity.slo_capacity import (
@@ -43,6 +44,7 @@ from solver.serving.executors import map_in_processes
 from solver.serving.instance_model import InstanceModel
 from solver.serving.library import Library
 from solver.serving.serving_template import ServingTemplate
+from solver.simulation.admission import admission_limits
 from solver.simulation.preemption import zone_losses
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
@@ -539,11 +541,16 @@ def _traces(
     duration_s: float,
     plan: Plan,
     root: Path | None,
+    offered: float | None = None,
 ) -> tuple[dict[str, Trace], float]:
-    """Every served model's requests (at the fraction of its demand the plan serves), over a
-    window long enough for MIN_REQUESTS of the slowest model; returns the traces and the
-    window's length."""
-    scale = {m: plan.fraction_of(m) for m in models}
+    """Every served model's requests, over a window long enough for MIN_REQUESTS of the slowest
+    model; returns the traces and the window's length. At the fraction of its demand the plan
+    serves (what the closed loop sizes), or with `offered`, at that multiple of its whole demand
+    (what reaches the gateway, which sheds what the plan does not admit)."""
+    scale = {
+        m: plan.fraction_of(m) if offered is None or plan.fraction_of(m) <= 0 else offered
+        for m in models
+    }
     rates = [request_rate(s) * scale[m] for m, s in models.items()]
     if any(r > 0 for r in rates):
         slowest = min(r for r in rates if r > 0)
@@ -595,10 +602,14 @@ class Simulations:
         purpose: Purpose,
         duration_s: float,
         models: set[str] | None = None,
+        offered: float | None = None,
     ) -> dict[str, ModelResult]:
         """`plan` simulated on its stack's `purpose` workload for at least `duration_s`
-        (`simulate_workload`), per served model (of `models` when given), reusing results."""
-        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root)
+        (`simulate_workload`), per served model (of `models` when given), reusing results.
+        With `offered`, at that multiple of each model's whole demand behind the gateway's
+        admission control (`admission_limits`), as the deployed fleet takes it."""
+        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root, offered)
+        limits = admission_limits(plan, specs) if offered is not None else {}
         templates: dict[str, list[str]] = {}
         for i in plan.instances:
             templates.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
@@ -611,6 +622,9 @@ class Simulations:
                 order[m],
                 specs[m].model_dump_json(),
                 plan.fraction_of(m),
+                offered,
+                limits[m].count if m in limits else None,
+                limits[m].period_s if m in limits else None,
                 *sorted(t),
             )
             for m, t in templates.items()
@@ -618,7 +632,7 @@ class Simulations:
         }
         todo = {m: traces[m] for m, k in keys.items() if k not in self._results}
         if todo:
-            fresh = simulate(plan, specs, self.perf, todo, duration_s).models
+            fresh = simulate(plan, specs, self.perf, todo, duration_s, admission=limits).models
             self._results.update({keys[m]: r for m, r in fresh.items()})
         return {m: self._results[k] for m, k in keys.items()}
 
@@ -637,6 +651,8 @@ class Simulations:
 
 
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
+SPIKE_LOAD = 1.5  # every plan is also verified at this multiple of its demand (a traffic spike)
+HELD_OUT_BATCHES = 20
 ZONE_LOSS_AT = 1 / 3  # where in the verification window a zone's spot instances are taken
 
 
@@ -654,17 +670,17 @@ def under_preemption(
     spot_models = {i.model for i in plan.instances if i.is_spot}
     if not spot_models or scope.boot_minutes is None:
         return {}
-    traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root)
+    traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root, offered=1.0)
     traces = {m: t for m, t in traces.items() if m in spot_models}
+    limits = admission_limits(plan, scope.models)
     worst: dict[str, float] = {}
     # A third into the requests: a trace's held-out window can end well before `duration_s`.
     span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)
     losses = zone_losses(plan.instances, span * ZONE_LOSS_AT, scope.boot_minutes * 60)
     for outages in losses.values():
-        result = simulate(plan, scope.models, perf, traces, duration_s, outages)
+        result = simulate(plan, scope.models, perf, traces, duration_s, outages, limits)
         for m, r in result.models.items():
-            met = float(r.met.mean()) if len(r.met) else 1.0
-            worst[m] = min(worst.get(m, 1.0), met)
+            worst[m] = min(worst.get(m, 1.0), r.admitted_attainment)
     return worst
 
 
@@ -693,9 +709,16 @@ def verify_plan(
             f"{whole_trace}{preempted}"
         )
     with timing.phase("verification"):
-        sim = sims.run(plan, scope.models, "verify", minutes * 60) if minutes > 0 else {}
+        # At the whole demand, behind the gateway's admission control: a scarce plan's excess
+        # is shed as the deployed gateway sheds it, not left out of the traffic.
+        sim = sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0) if minutes > 0 else {}
+        spike = (
+            sims.run(plan, scope.models, "verify", minutes * 60, offered=SPIKE_LOAD)
+            if minutes > 0
+            else {}
+        )
         whole = (
-            sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced)
+            sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced, offered=1.0)
             if minutes > 0 and traced
             else {}
         )
@@ -705,32 +728,52 @@ def verify_plan(
     rows = []
     for model, spec in sorted(scope.models.items()):
         r = sim.get(model)
-        verified = (float(r.met.mean()) if len(r.met) else 1.0) if r is not None else None
         w = whole.get(model)
-        replayed = round(float(w.met.mean()), 4) if w is not None and len(w.met) else None
+        s = spike.get(model)
         row = ModelAttainment(
             model=model,
             target=spec.slo_attainment,
-            workload=trace_of(spec) or f"generated ({spec.workload or 'default shape'})",
+            workload=trace_of(spec) or f"generated, not a trace ({spec.workload or 'default shape'})",
             planned=round(planned[model], 4) if model in planned else None,
-            verified=round(verified, 4) if verified is not None else None,
+            verified=round(r.admitted_attainment, 4) if r is not None else None,
             verified_requests=len(r.met) if r is not None else 0,
-            replayed=replayed,
+            replayed=round(w.admitted_attainment, 4) if w is not None and len(w.met) else None,
             verified_minutes=round(float(r.arrival_s[-1]) / 60, 2)
             if r is not None and len(r.arrival_s)
             else 0.0,
             headroom={ph: round(k, 4) for (m, ph), k in sorted(headroom.items()) if m == model},
             under_preemption=round(preempted_att[model], 4) if model in preempted_att else None,
+            shed=round(r.shed_share, 4) if r is not None else None,
+            held_out_lower=held_out_lower_bound(r) if r is not None else None,
+            spike=round(s.admitted_attainment, 4) if s is not None else None,
+            spike_shed=round(s.shed_share, 4) if s is not None else None,
         )
         # The cause comes from the run the row is judged by (`ModelAttainment.judged`).
         whole_lower = row.replayed is not None and row.judged == row.replayed != row.verified
         worse = w if whole_lower else r
-        if row.short_by and worse is not None:
-            row = row.model_copy(
-                update={"cause": _cause(worse, spec.slo_ms.prefill, spec.slo_ms.decode)}
+        if (row.short_by or row.unsupported) and worse is not None:
+            cause = (
+                row.unsupported
+                if row.unsupported and row.judged is not None and row.judged >= row.target
+                else _cause(worse, spec.slo_ms.prefill, spec.slo_ms.decode)
             )
+            row = row.model_copy(update={"cause": cause})
         rows.append(row)
     return plan.model_copy(update={"attainment": rows, "closed_loop_stop": stop})
+
+
+def held_out_lower_bound(r: ModelResult, batches: int = HELD_OUT_BATCHES) -> float | None:
+    """A one-sided 95% lower confidence bound of the admitted attainment `r` estimates, by batch
+    means: the requests in arrival order cut into `batches` consecutive batches, whose shares
+    vary as the traffic's bursts do (requests close in time miss together, so a bound that
+    treats them as independent draws, like Wilson's, is too narrow). Student's t with
+    `batches - 1` degrees of freedom. None with fewer requests than batches."""
+    met = r.met
+    if len(met) < batches:
+        return None
+    shares = np.array([b.mean() for b in np.array_split(met.astype(np.float64), batches)])
+    spread = float(shares.std(ddof=1)) / math.sqrt(batches)
+    return round(max(0.0, float(shares.mean()) - float(student_t.ppf(0.95, batches - 1)) * spread), 4)
 
 
 def _cause(r: ModelResult, ttft_slo: float, tpot_slo: float) -> str:

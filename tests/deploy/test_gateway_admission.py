@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from coral_iac.gateway_config import gateway_limits, gateway_upstreams, render_haproxy_config
-from solver.simulation.admission import admit
+from solver.simulation.admission import AdmissionLimit, admit
 from solver.stack import ModelSpec
 from tests.deploy.test_gateway import make_plan, serving_keys
 from tests.deploy.test_gateway_live import _free_port, _wait_until_listening
@@ -42,6 +42,7 @@ PLANNED_RPS = 20.0  # the plan's capacity at the target: what the gateway admits
 OFFERED_RPS = 2 * PLANNED_RPS
 SECONDS = 6.0  # of load per run: 240 requests at 40/s
 SHED_MS = 50.0  # a shed request's answer, at most
+PERIOD_S = 1  # the counting period of these runs
 SPEC = ModelSpec.model_validate({**PHI4_SPEC, "demand": {"requests_per_s": 5.0}})
 
 
@@ -154,10 +155,20 @@ def gateway(
         replica.server_close()
 
 
+def limit_of(planned_rps: float) -> AdmissionLimit:
+    """The plan's limit, counted per second instead of per minute so that seconds of load
+    reach the steady state (HAProxy enforces any period alike; the period's choice is
+    tests/simulation/test_admission.py's)."""
+    plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", planned_rps, 1)])
+    limit = gateway_limits(plan, {"phi-4": SPEC})["phi-4"]
+    per_s = limit.requests_per_s * PERIOD_S
+    return limit.model_copy(update={"period_s": PERIOD_S, "count": int(per_s)})
+
+
 def config(replica: SlowReplica, port: int, planned_rps: float, admission: bool = True) -> str:
     plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", planned_rps, 1)])
     (key,) = serving_keys(plan)
-    limits = gateway_limits(plan, {"phi-4": SPEC}) if admission else None
+    limits = {"phi-4": limit_of(planned_rps)} if admission else None
     upstreams = gateway_upstreams(plan, {key: replica.address})
     return render_haproxy_config(
         upstreams, "live", port, 2000, stats_port=_free_port(), limits=limits
@@ -177,9 +188,7 @@ def test_the_gateway_sheds_the_excess_and_keeps_admitted_latency(tmp_path):
     ok = [a for a in answers if a.status == 200]
     shed = [a for a in answers if a.status == 429]
     # The admitted rate is the plan's (a sliding window: within 15% over the run) ...
-    limit = gateway_limits(
-        make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", PLANNED_RPS, 1)]), {"phi-4": SPEC}
-    )["phi-4"]
+    limit = limit_of(PLANNED_RPS)
     assert abs(len(ok) / SECONDS - limit.admitted_per_s) <= 0.15 * limit.admitted_per_s, len(ok)
     # ... and the simulator's rule admits as many of the same arrivals (10%).
     simulated = int(admit(arrivals, limit).sum())

@@ -404,9 +404,9 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     calls: list[tuple[str, float]] = []
     real = attainment.simulate
 
-    def counting(plan_, models_, perf_, traces, duration_s):
+    def counting(plan_, models_, perf_, traces, duration_s, admission=None):
         calls.extend((m, duration_s) for m in traces)
-        return real(plan_, models_, perf_, traces, duration_s)
+        return real(plan_, models_, perf_, traces, duration_s, admission=admission)
 
     monkeypatch.setattr(attainment, "simulate", counting)
     sims = attainment.Simulations(perf, REPO)
@@ -419,6 +419,11 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     fewer = plan.model_copy(update={"instances": plan.instances[:-1]})
     sims.run(fewer, fleet.models, "verify", 1_800)  # one instance less
     assert len(calls) == 4
+    # The whole demand behind the gateway's admission control: another simulation, once.
+    gated = sims.run(half, fleet.models, "verify", 1_800, offered=1.0)["phi-4"]
+    assert sims.run(half, fleet.models, "verify", 1_800, offered=1.0)["phi-4"] is gated
+    assert len(calls) == 5
+    assert gated.shed > 0.4 * gated.offered  # half the demand admitted, the rest shed
     traces, window = attainment._traces(fleet.models, "verify", 1_800, plan, REPO)
     fresh = real(plan, fleet.models, perf, traces, window)
     assert np.array_equal(fresh.models["phi-4"].met, first["phi-4"].met)

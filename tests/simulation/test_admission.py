@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.performance.default_model import load_perf_model
-from solver.simulation.admission import MIN_COUNT, admission_limits, admit, capacity_rps
+from solver.simulation.admission import PERIOD_S, admission_limits, admit, capacity_rps
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import WorkloadShape, generate_trace
 from solver.stack import ModelSpec
@@ -48,9 +48,9 @@ def test_a_scarce_model_admits_its_served_share_of_the_demand():
     limit = admission_limits(plan, {"phi-4": spec(20.0)})["phi-4"]
     assert limit.basis == "served share"
     assert limit.requests_per_s == pytest.approx(5.0)
-    # Whole requests per period, never above the rate, off by at most 1 / MIN_COUNT.
-    assert limit.count >= MIN_COUNT
-    assert 5.0 * (1 - 1 / MIN_COUNT) <= limit.admitted_per_s <= 5.0
+    # Whole requests per minute, never above the rate, off by less than one request.
+    assert limit.period_s == PERIOD_S
+    assert 5.0 - 1 / PERIOD_S < limit.admitted_per_s <= 5.0
 
 
 def test_a_disaggregated_model_admits_what_its_scarcer_phase_serves():
