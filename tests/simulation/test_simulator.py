@@ -302,6 +302,29 @@ def test_cli_simulate_json(tmp_path, monkeypatch):
     assert r.exit_code == 0, r.output
     rows = json.loads(r.stdout)
     assert rows and all(set(row) >= {"template", "library", "simulated", "ratio"} for row in rows)
+    # Three times the demand: the gateway's admission control sheds the excess, and says so.
+    r = runner.invoke(app, [*cut, "--load", "3", "--json"])
+    gated = json.loads(r.stdout)["by_model"]["phi-4"]
+    assert gated["shed"] > 0 and gated["offered"] == gated["requests"] + gated["shed"]
+    assert gated["offered_attainment"] < gated["slo_attainment"]
+    r = runner.invoke(app, [*cut, "--load", "3", "--json", "--no-admission"])
+    flooded = json.loads(r.stdout)["by_model"]["phi-4"]
+    assert "shed" not in flooded and flooded["requests"] == gated["offered"]
+    assert flooded["slo_attainment"] < gated["slo_attainment"]
+    r = runner.invoke(app, [*cut, "--load", "3"])
+    assert "SLO met of admitted" in r.output and "behind the gateway's admission" in r.output
+    # A trace replay: whole by default, cut by --duration; goodput per the span replayed.
+    traces = tmp_path / "traces"
+    traces.mkdir()
+    (traces / "phi-4.csv").write_text(
+        "timestamp,prompt_tokens,output_tokens\n" + "".join(f"{t},500,50\n" for t in range(200))
+    )
+    replay = ["simulate", "--stack", "dev", "--plan", str(plan_file), "--trace-dir", str(traces)]
+    whole = json.loads(runner.invoke(app, [*replay, "--json"]).stdout)
+    part = json.loads(runner.invoke(app, [*replay, "--json", "--duration", "50"]).stdout)
+    assert (whole["duration_s"], whole["requests"]) == (199, 200)
+    assert (part["duration_s"], part["requests"]) == (50, 50)
+    assert part["goodput_tokens_per_s"] == pytest.approx(whole["goodput_tokens_per_s"], rel=0.1)
 
 
 def test_a_data_parallel_stage_splits_the_batch_and_adds_kv_capacity():
