@@ -4,7 +4,8 @@ table (`--before`), so a change to the models shows its price per stack.
 
 Each stack is planned through the user's door (`coral plan --stack S --out ...`, its own
 library cache); the plans are kept in the output folder (`plans/`), `costs.json` holds the
-numbers and `costs.md` the table.
+numbers, `costs.md` the table and `admission.md` each model's attainment behind the gateway's
+admission control, at its demand and at 1.5x.
 """
 
 from __future__ import annotations
@@ -43,7 +44,52 @@ def summarise(plan: Plan, seconds: float) -> dict[str, object]:
         "worst_verified_attainment": round(min(verified), 4) if verified else None,
         "models_below_target": short,
         "plan_seconds": round(seconds, 1),
+        # Per model: verified at the whole demand behind the gateway's admission control.
+        "admission": {
+            a.model: {
+                "served": round(plan.fraction_of(a.model), 4),
+                "target": a.target,
+                "verified": a.judged,
+                "held_out_lower": a.held_out_lower,
+                "shed": a.shed,
+                "spike": a.spike,
+                "spike_shed": a.spike_shed,
+            }
+            for a in plan.attainment
+            if "@" not in a.model
+        },
     }
+
+
+def render_admission(results: dict[str, dict]) -> str:  # type: ignore[type-arg]
+    """The admission table: per stack and model, what the plan serves, the admitted requests'
+    attainment at the whole demand (with its held-out lower bound), the share shed, and the
+    same at 1.5x the demand."""
+
+    def pct(x: float | None) -> str:
+        return "-" if x is None else f"{100 * x:.1f}%"
+
+    lines = [
+        "# Admission control per committed stack",
+        "",
+        "Written by `scripts/stack_costs` with the cost table beside it: each model's whole "
+        "demand sent through the gateway's admission control (`solver/simulation/admission.py`) "
+        "on its verification workload. `verified` is the admitted requests' share meeting both "
+        "SLOs (for a trace, the lower of its held-out windows and the whole trace), with the "
+        "one-sided 95% lower bound of the held-out estimate; `shed` the share answered 429; "
+        "`1.5x` the same at 1.5x the demand.",
+        "",
+        "| stack | model | served | target | verified (lower bound) | shed | 1.5x verified | 1.5x shed |",
+        "|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for stack, row in sorted(results.items()):
+        for model, a in sorted(row.get("admission", {}).items()):
+            lines.append(
+                f"| {stack} | {model} | {pct(a['served'])} | {pct(a['target'])} | "
+                f"{pct(a['verified'])} ({pct(a['held_out_lower'])}) | {pct(a['shed'])} | "
+                f"{pct(a['spike'])} | {pct(a['spike_shed'])} |"
+            )
+    return "\n".join(lines) + "\n"
 
 
 def render(after: dict[str, dict], before: dict[str, dict], label: str) -> str:  # type: ignore[type-arg]
@@ -124,6 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         args.out / "costs.json", (json.dumps({"stacks": results}, indent=1) + "\n").encode()
     )
     write_atomic(args.out / "costs.md", render(results, before, label).encode())
+    write_atomic(args.out / "admission.md", render_admission(results).encode())
     print(f"wrote {args.out}")
     return 0
 

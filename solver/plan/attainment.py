@@ -551,7 +551,9 @@ def _traces(
         m: plan.fraction_of(m) if offered is None or plan.fraction_of(m) <= 0 else offered
         for m in models
     }
-    rates = [request_rate(s) * scale[m] for m, s in models.items()]
+    # The window holds MIN_REQUESTS of the slowest model's served (with `offered`: admitted)
+    # requests: a scarce model admits about its served fraction of what is offered.
+    rates = [request_rate(s) * min(scale[m], plan.fraction_of(m)) for m, s in models.items()]
     if any(r > 0 for r in rates):
         slowest = min(r for r in rates if r > 0)
         duration_s = min(max(duration_s, MIN_REQUESTS / slowest), 4 * 3_600.0)
@@ -559,8 +561,28 @@ def _traces(
     for i, (model, spec) in enumerate(sorted(models.items())):
         if request_rate(spec) * scale[model] <= 0:
             continue
-        traces[model] = model_trace(spec, i, purpose, duration_s, root, scale[model])
+        trace = model_trace(spec, i, purpose, duration_s, root, scale[model])
+        if offered is not None and purpose != "replay":
+            trace = _repeated(trace, duration_s)
+        traces[model] = trace
     return traces, duration_s
+
+
+def _repeated(trace: Trace, duration_s: float) -> Trace:
+    """`trace` played again from its start until `duration_s` (a trace window at a scarce
+    model's whole demand can end long before its admitted requests fill the window); each copy
+    starts one mean gap after the last request of the one before."""
+    if len(trace) < 2 or trace.arrival_s[-1] >= duration_s:
+        return trace
+    span = float(trace.arrival_s[-1]) * len(trace) / (len(trace) - 1)
+    copies = math.ceil(duration_s / span)
+    arrival = np.concatenate([trace.arrival_s + k * span for k in range(copies)])
+    keep = arrival < duration_s
+    return Trace(
+        arrival[keep],
+        np.tile(trace.prompt, copies)[keep],
+        np.tile(trace.output, copies)[keep],
+    )
 
 
 def simulate_workload(

@@ -103,13 +103,16 @@ class Answer:
     body: bytes
 
 
-def _one(port: int, t0: float, at: float) -> Answer:
+PHI4_BODY = {"model": "phi-4", "prompt": "hi", "max_tokens": 1}
+
+
+def _one(port: int, t0: float, at: float, body: dict[str, Any]) -> Answer:
     time.sleep(max(0.0, t0 + at - time.monotonic()))
     start = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     try:
-        body = json.dumps({"model": "phi-4", "prompt": "hi", "max_tokens": 1})
-        conn.request("POST", "/phi-4/v1/completions", body, {"Content-Type": "application/json"})
+        path = f"/{body['model']}/v1/completions"
+        conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
         r = conn.getresponse()
         data = r.read()
         return Answer(
@@ -119,13 +122,16 @@ def _one(port: int, t0: float, at: float) -> Answer:
         conn.close()
 
 
-def drive(port: int, rate: float, seconds: float) -> tuple[np.ndarray, list[Answer]]:
-    """Open-loop load: requests at `rate` per second (evenly spaced) for `seconds`, each on its
-    own connection, whatever the answers; bounded in count and time."""
+def drive(
+    port: int, rate: float, seconds: float, body: dict[str, Any] = PHI4_BODY
+) -> tuple[np.ndarray, list[Answer]]:
+    """Open-loop load: completions (`body`, routed by its model's path prefix) at `rate` per
+    second (evenly spaced) for `seconds`, each on its own connection, whatever the answers;
+    bounded in count and time."""
     arrivals = np.arange(0.0, seconds, 1.0 / rate)
     t0 = time.monotonic() + 0.2
     with ThreadPoolExecutor(max_workers=len(arrivals)) as pool:
-        answers = list(pool.map(lambda at: _one(port, t0, at), arrivals))
+        answers = list(pool.map(lambda at: _one(port, t0, at, body), arrivals))
     return arrivals, answers
 
 
