@@ -468,6 +468,7 @@ def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path, previe
         "coral:fleet"
     ]
     models, phi4 = fleet["models"], fleet["models"]["phi-4"]
+    as_committed = ModelSpec.model_validate(phi4)
     prefill = [i for i in first.plan.instances if i.model == "phi-4" and i.phase == "prefill"]
     served = sum(i.throughput for i in prefill) / phi4["mean_prompt_tokens"]
     phi4["demand"] = {"requests_per_s": 1.5 * served}
@@ -484,6 +485,19 @@ def test_a_plan_change_updates_only_the_configuration_parameter(tmp_path, previe
     assert after[changed[0]]["name"] == before[changed[0]]["name"]
     assert config_of(more).count("    server ") > config_of(first).count("    server ")
     assert more.outputs["gateway"] == first.outputs["gateway"]
+    # The admission limit moves with the plan, in the same parameter: what the solver's rule
+    # gives the plan (the program's declared limit, computed here from the plan).
+    def limit(result) -> int:
+        (line,) = [ln for ln in config_of(result).splitlines() if "sc0_gpc0_rate ge" in ln]
+        return int(line.rsplit("sc0_gpc0_rate ge ", 1)[1].split()[0])
+
+    def planned(result, spec: ModelSpec) -> int:
+        return gateway_limits(result.plan, {"phi-4": spec})["phi-4"].count
+
+    assert limit(first) == planned(first, as_committed)
+    # The new plan's, and more while the replicas it replaces still serve (retiring: ready).
+    assert limit(more) >= planned(more, ModelSpec.model_validate(phi4))
+    assert limit(more) > limit(first)
 
 
 def test_remote_replicas_are_reached_by_public_address_and_admit_only_the_gateway(tmp_path, preview):
