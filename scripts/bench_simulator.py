@@ -18,7 +18,7 @@ import typer
 from solver.performance.default_model import load_perf_model
 from solver.plan.planner import libraries_for, plan_stack, stack_demand
 from solver.simulation.simulator import simulate
-from solver.simulation.workload import stack_requests
+from solver.simulation.workload import model_contexts, stack_requests
 from solver.stack import load_stack
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +40,9 @@ def main(
         settings = base.allocation.model_copy(update={"target_utilization": u})
         fleet = base.model_copy(update={"allocation": settings})
         plan = plan_stack(stack, fleet, perf.catalog, libs)
-        traces = stack_requests(fleet.models, duration, root=ROOT)
+        traces = stack_requests(
+            fleet.models, duration, root=ROOT, max_contexts=model_contexts(fleet.models, perf.cards)
+        )
         times, cpu, summary = [], [], {}
         for _ in range(repeats if u == 1.0 else 1):
             start, start_cpu = time.perf_counter(), time.process_time()

@@ -157,6 +157,12 @@ class ModelAttainment(BaseModel):
     spike_shed: float | None = Field(
         default=None, description="Share of that spike's requests the gateway sheds."
     )
+    capped: int = Field(
+        default=0,
+        description="Held-out requests (of `verified_requests` plus those shed) whose lengths "
+        "the model's context cut: the prompt to max_context - 1 tokens, the output to what the "
+        "context leaves. Written only when some were.",
+    )
 
     @property
     def margin(self) -> float | None:
@@ -192,6 +198,8 @@ class ModelAttainment(BaseModel):
         out: dict[str, Any] = handler(self)
         if self.under_preemption is None:
             out.pop("under_preemption", None)
+        if not self.capped:
+            out.pop("capped", None)
         return out
 
     @property

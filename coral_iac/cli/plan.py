@@ -135,7 +135,7 @@ def plan(
     if out_file is not None:  # before minutes of planning, not after
         check_replaceable(out_file)
     with timed() as times:
-        result, problems, admission = make_plan(
+        result, problems, admission, contexts = make_plan(
             stack, baseline or "coral", previous, library, workers, add_only, force
         )
     if (line := gap_warning(result)) is not None:
@@ -153,6 +153,7 @@ def plan(
             "unverified": unverified,
             "timings": times.table(),
             "admission": admission.model_dump(mode="json"),
+            "context_warnings": contexts,
         }
         print_json(plan_json(result) | extra)
     else:
@@ -166,7 +167,9 @@ def plan(
         warn(line)
     for a in result.below_target():
         if not a.short_by:  # at its target on too few held-out requests
-            warn(f"{a.model}: the claim of {100 * (a.judged or 0):.1f}% is refused: {a.unsupported}")
+            warn(
+                f"{a.model}: the claim of {100 * (a.judged or 0):.1f}% is refused: {a.unsupported}"
+            )
             continue
         warn(
             f"{a.model}: SLO attainment {100 * (a.judged or 0):.1f}% on the "
@@ -174,7 +177,9 @@ def plan(
             + f", {100 * a.short_by:.1f} points below its target {100 * a.target:g}%: "
             f"{a.cause}"
         )
-    for line in zone_loss_warnings(result) + spike_warnings(result) + workload_warnings(result):
+    for line in (
+        zone_loss_warnings(result) + spike_warnings(result) + workload_warnings(result) + contexts
+    ):
         warn(line)
     if admission.gateway is None and result.serves_any():
         warn(f"admission: {NO_GATEWAY_ADMISSION}")
@@ -219,9 +224,10 @@ def make_plan(
     workers: int,
     add_only: bool = False,
     force: bool = False,
-) -> tuple[Any, list[str], Admission]:
+) -> tuple[Any, list[str], Admission, list[str]]:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan,
-    why the Pulumi program would refuse it (empty: it deploys) and what its gateway admits.
+    why the Pulumi program would refuse it (empty: it deploys), what its gateway admits and
+    where requests are longer than the models serve (`context_warnings`).
 
     `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
     """
@@ -271,7 +277,44 @@ def make_plan(
     problems = deploy_problems(
         result, perf.catalog, fleet.library, fleet.allocation, fleet.attainment
     )
-    return result, problems, admission_report(result, fleet, stack)
+    deploy = load_deploy_settings(stacks_dir(), stack)
+    contexts = context_warnings(result, fleet, perf.cards, deploy.max_model_len)
+    return result, problems, admission_report(result, fleet, stack), contexts
+
+
+def context_warnings(plan: Plan, fleet: Any, cards: Any, max_model_len: int) -> list[str]:
+    """A line per model whose requests are longer than it is served: held-out requests the
+    model's context cut (`ModelAttainment.capped`: verified as capped), and planning requests
+    longer than the deployed --max-model-len (coral:deploy.max_model_len, at most the card's
+    context), which vLLM refuses with HTTP 400 while the plan counts them as served."""
+    from solver.simulation.workload import model_trace  # deferred: numpy and the traces
+
+    lines = []
+    for a in plan.attainment:
+        if a.capped and "@" not in a.model:
+            context = cards[a.model].max_context
+            offered = round(a.verified_requests / (1 - (a.shed or 0.0))) or a.capped
+            lines.append(
+                f"{a.model}: {a.capped:,} of about {offered:,} held-out requests are longer than "
+                f"the model's {context:,}-token context: verified as capped (the prompt at "
+                f"{context - 1:,} tokens, the output at what the context leaves), as a client "
+                "that truncates them would be served; vLLM refuses a longer prompt"
+            )
+    for i, (model, spec) in enumerate(sorted(fleet.models.items())):
+        served = min(max_model_len, cards[model].max_context)
+        if served >= cards[model].max_context or plan.fraction_of(model) <= 0:
+            continue
+        trace = model_trace(spec, i, "plan", 3_600.0, stacks_dir().parent)
+        longer = int(((trace.prompt + trace.output) > served).sum())
+        if longer:
+            lines.append(
+                f"{model}: {longer:,} of {len(trace):,} planning requests "
+                f"({100 * longer / len(trace):.2g}%) are longer than coral:deploy.max_model_len "
+                f"({served:,} tokens): the deployed vLLM refuses them (HTTP 400) while the plan "
+                f"counts them as served. Raise coral:deploy.max_model_len (the model's context "
+                f"is {cards[model].max_context:,}) or have clients truncate prompts"
+            )
+    return lines
 
 
 class Admission(BaseModel):

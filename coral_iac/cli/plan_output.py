@@ -116,7 +116,8 @@ def attainment_table(p: Any) -> FittedTable:
         verified = f"{pct(a.judged)}{margin}\n{status}"
         spike = f"{pct(a.spike)}\n{pct(a.spike_shed)} shed" if a.spike is not None else "-"
         table.add_row(
-            f"{a.model}\n{a.workload}",
+            f"{a.model}\n{a.workload}"
+            + (f"\n{a.capped:,} capped at its context" if a.capped else ""),
             pct(a.target),
             pct(a.planned),
             *(

@@ -33,7 +33,8 @@ def simulate_cmd(
     ] = None,
     load: Annotated[float, typer.Option(help="Demand multiplier (1 = the stack's demand).")] = 1.0,
     trace_dir: Annotated[
-        Path | None, typer.Option(help="Folder of <model>.csv traces (timestamp,prompt,output).")
+        Path | None,
+        typer.Option(help="Folder of <model>.csv traces (columns: timestamp, prompt, output)."),
     ] = None,
     seed: Annotated[int, typer.Option(help="Seed of the generated traces.")] = 0,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
@@ -48,9 +49,9 @@ def simulate_cmd(
     outages: Annotated[
         Path | None,
         typer.Option(
-            help="Replay these spot preemptions: a CSV with header instance,down_s[,up_s] "
-            "(instance keys of the plan; seconds; up_s defaults to down_s + the stack's "
-            "allocation.boot_minutes)."
+            help="Replay these spot preemptions: a CSV with the columns instance, down_s and "
+            "optionally up_s (instance keys of the plan; seconds; up_s defaults to down_s plus the "
+            "stack's boot_minutes, under allocation)."
         ),
     ] = None,
     preemptions: Annotated[
@@ -80,7 +81,8 @@ def simulate_cmd(
     from solver.plan.length_routing import fleet_for_plan
     from solver.simulation.admission import admission_limits
     from solver.simulation.simulator import simulate
-    from solver.simulation.traces import load_trace_csv
+    from solver.simulation.traces import cap_lengths, cap_note, load_trace_csv
+    from solver.simulation.workload import model_contexts
 
     for name, value in (("--duration", 600.0 if duration is None else duration), ("--load", load)):
         if not math.isfinite(value) or value <= 0:
@@ -93,6 +95,7 @@ def simulate_cmd(
     plan = load_plan(plan_file)
     fleet = fleet_for_plan(fleet, plan)  # a routed model's length buckets
     perf = load_perf_model(cards=fleet.model_cards)
+    contexts = model_contexts(fleet.models, perf.cards)
     if capacity:
         _capacity(plan, fleet, perf, duration or 600.0, as_json)
         return
@@ -107,10 +110,12 @@ def simulate_cmd(
                 t = type(t)(t.arrival_s[keep], t.prompt[keep], t.output[keep])
             traces[m] = t
         traces, span = _replay_span(traces, duration)
+        for m, t in traces.items():  # served as the model's context allows, as generated ones
+            traces[m] = type(t)(t.arrival_s, *cap_lengths(t.prompt, t.output, contexts[m]))
         what = f"{span:g} s of the traces in {trace_dir} (at their own rate)"
     else:
         span = duration or 600.0
-        traces = stack_workload(fleet, span, load, seed)
+        traces = stack_workload(fleet, span, load, seed, contexts)
         what = f"{span:g} s of {stack} at {load:g}x demand"
     replayed = _outages(plan, fleet, perf, span, seed, outages, preemptions)
     limits = admission_limits(plan, fleet.models) if admission else None
@@ -160,6 +165,10 @@ def simulate_cmd(
             *([str(r.get("retried", 0))] if replayed else []),
         )
     out.print(table)
+    for model, r in summary["by_model"].items():  # type: ignore[attr-defined]
+        offered = int(r.get("offered", r["requests"]))
+        if (note := cap_note(int(r.get("capped", 0)), offered, contexts[model])) is not None:
+            warn(f"{model}: {note}")
 
 
 def _outages(
@@ -212,14 +221,19 @@ def _replay_span(traces: dict[str, Any], duration: float | None) -> tuple[dict[s
     return cut, max(span, 1e-9)
 
 
-def stack_workload(fleet: Any, duration: float, load: float, seed: int) -> dict[str, Any]:
+def stack_workload(
+    fleet: Any, duration: float, load: float, seed: int, contexts: dict[str, int]
+) -> dict[str, Any]:
     """Each model's requests at `load` x its demand (requests/s, or tokens/s over the mean
-    lengths): its trace's verification window, or generated with seed `seed + i`."""
+    lengths): its trace's verification window, or generated with seed `seed + i`; lengths
+    capped at each model's context (`contexts`)."""
     # Deferred to when the command runs: the solver modules behind it (numpy,
     # pydantic, OR-Tools) would slow the start of every coral command.
     from solver.simulation.workload import stack_requests
 
-    return stack_requests(fleet.models, duration, load, seed, stacks_dir().parent)
+    return stack_requests(
+        fleet.models, duration, load, seed, stacks_dir().parent, max_contexts=contexts
+    )
 
 
 def _capacity(plan: Any, fleet: Any, perf: Any, duration: float, as_json: bool) -> None:

@@ -169,7 +169,7 @@ def budget_probe(
         if len(t.nodes) != 1:
             continue
         node, card = t.nodes[0], perf.card(model)
-        workload = planning_workload(spec, i, root)
+        workload = planning_workload(spec, i, root, card.max_context)
         base = None
         for k in BUDGET_DIVISORS:
             budget = spec.slo_ms.prefill / k

@@ -167,13 +167,14 @@ def helix_eval(
     rows = capacity_check(plan, fleet.models, perf, duration_s=duration_s)
     spec = fleet.models[MODEL]
     rate = (spec.demand.requests_per_s or 0.0) if spec.demand is not None else 0.0
-    trace = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction)
+    context = perf.card(MODEL).max_context
+    trace = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction, context)
     sim = simulate(plan, fleet.models, perf, {MODEL: trace}, duration_s).summary()
     sweep: list[
         dict[str, Any]
     ] = []  # the paper holds Coral to Helix's median latencies: the load where both hold
     for load in LOADS:
-        t = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction * load)
+        t = model_trace(spec, 0, "verify", duration_s, root, plan.served_fraction * load, context)
         r = simulate(plan, fleet.models, perf, {MODEL: t}, duration_s).summary()
         ttft = cast(float | None, r["ttft_p50_ms"]) or inf
         tpot = cast(float | None, r["tpot_p50_ms"]) or inf

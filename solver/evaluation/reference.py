@@ -136,9 +136,8 @@ def requests(case: Case, rate: float, n: int, seed: int = 0) -> Requests:
     """About n Poisson requests at `rate` req/s, lengths per the case's shape (prompt + output
     at most MAX_TOKENS, as Vidur's profiles allow)."""
     t = generate_trace(rate, n / rate, case.prompt, case.spec().mean_output_tokens, seed=seed,
-                       max_tokens=MAX_TOKENS, shape=case.shape)  # fmt: skip
-    prompt = np.minimum(t.prompt, MAX_TOKENS - 1)
-    output = np.minimum(t.output, MAX_TOKENS - prompt)
+                       max_context=MAX_TOKENS, shape=case.shape)  # fmt: skip
+    prompt, output = t.prompt, t.output
     if case.phase == "prefill":  # each request ends at its first token
         output = np.ones_like(prompt)
     return Requests(t.arrival_s, prompt, output)

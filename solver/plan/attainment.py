@@ -52,6 +52,7 @@ from solver.simulation.traces import Trace
 from solver.simulation.workload import (
     Purpose,
     Workload,
+    model_contexts,
     model_trace,
     planning_workload,
     request_rate,
@@ -92,7 +93,7 @@ def base_factors(
     """
     jobs: list[_CapacityJob] = []
     for i, (model, spec) in enumerate(sorted(models.items())):
-        workload = planning_workload(spec, i, root)
+        workload = planning_workload(spec, i, root, perf.card(model).max_context)
         jobs += [
             _CapacityJob(lib, spec, workload, _cache_path(cache, lib, spec, workload))
             for (m, _), lib in sorted(libs.items())
@@ -541,10 +542,12 @@ def _traces(
     duration_s: float,
     plan: Plan,
     root: Path | None,
+    contexts: Mapping[str, int],
     offered: float | None = None,
 ) -> tuple[dict[str, Trace], float]:
     """Every served model's requests, over a window long enough for MIN_REQUESTS of the slowest
-    model; returns the traces and the window's length. At the fraction of its demand the plan
+    model, lengths capped at each model's context (`contexts`, `model_contexts`); returns the
+    traces and the window's length. At the fraction of its demand the plan
     serves (what the closed loop sizes), or with `offered`, at that multiple of its whole demand
     (what reaches the gateway, which sheds what the plan does not admit)."""
     scale = {
@@ -561,7 +564,7 @@ def _traces(
     for i, (model, spec) in enumerate(sorted(models.items())):
         if request_rate(spec) * scale[model] <= 0:
             continue
-        trace = model_trace(spec, i, purpose, duration_s, root, scale[model])
+        trace = model_trace(spec, i, purpose, duration_s, root, scale[model], contexts.get(model))
         if offered is not None and purpose != "replay":
             trace = _repeated(trace, duration_s)
         traces[model] = trace
@@ -578,10 +581,12 @@ def _repeated(trace: Trace, duration_s: float) -> Trace:
     copies = math.ceil(duration_s / span)
     arrival = np.concatenate([trace.arrival_s + k * span for k in range(copies)])
     keep = arrival < duration_s
+    kept = int(np.count_nonzero(keep))
     return Trace(
         arrival[keep],
         np.tile(trace.prompt, copies)[keep],
         np.tile(trace.output, copies)[keep],
+        round(trace.capped * kept / len(trace)),  # each copy's share of the capped ones
     )
 
 
@@ -597,7 +602,9 @@ def simulate_workload(
     """The plan simulated on its stack's planning or verification workload, at the demand it
     serves, for at least `duration_s` (longer when a model's rate needs it for MIN_REQUESTS);
     only `models` when given (`specs`: the stack's models by name); None when it serves nothing."""
-    traces, duration_s = _traces(specs, purpose, duration_s, plan, root)
+    traces, duration_s = _traces(
+        specs, purpose, duration_s, plan, root, model_contexts(specs, perf.cards)
+    )
     served = {i.model for i in plan.instances if models is None or i.model in models}
     traces = {m: t for m, t in traces.items() if m in served}
     return simulate(plan, specs, perf, traces, duration_s) if traces else None
@@ -630,7 +637,8 @@ class Simulations:
         (`simulate_workload`), per served model (of `models` when given), reusing results.
         With `offered`, at that multiple of each model's whole demand behind the gateway's
         admission control (`admission_limits`), as the deployed fleet takes it."""
-        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root, offered)
+        contexts = model_contexts(specs, self.perf.cards)
+        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root, contexts, offered)
         limits = admission_limits(plan, specs) if offered is not None else {}
         templates: dict[str, list[str]] = {}
         for i in plan.instances:
@@ -692,7 +700,8 @@ def under_preemption(
     spot_models = {i.model for i in plan.instances if i.is_spot}
     if not spot_models or scope.boot_minutes is None:
         return {}
-    traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root, offered=1.0)
+    contexts = model_contexts(scope.models, perf.cards)
+    traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root, contexts, 1.0)
     traces = {m: t for m, t in traces.items() if m in spot_models}
     limits = admission_limits(plan, scope.models)
     worst: dict[str, float] = {}
@@ -733,7 +742,9 @@ def verify_plan(
     with timing.phase("verification"):
         # At the whole demand, behind the gateway's admission control: a scarce plan's excess
         # is shed as the deployed gateway sheds it, not left out of the traffic.
-        sim = sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0) if minutes > 0 else {}
+        sim = (
+            sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0) if minutes > 0 else {}
+        )
         spike = (
             sims.run(plan, scope.models, "verify", minutes * 60, offered=SPIKE_LOAD)
             if minutes > 0
@@ -755,7 +766,8 @@ def verify_plan(
         row = ModelAttainment(
             model=model,
             target=spec.slo_attainment,
-            workload=trace_of(spec) or f"generated, not a trace ({spec.workload or 'default shape'})",
+            workload=trace_of(spec)
+            or f"generated, not a trace ({spec.workload or 'default shape'})",
             planned=round(planned[model], 4) if model in planned else None,
             verified=round(r.admitted_attainment, 4) if r is not None else None,
             verified_requests=len(r.met) if r is not None else 0,
@@ -769,6 +781,7 @@ def verify_plan(
             held_out_lower=held_out_lower_bound(r) if r is not None else None,
             spike=round(s.admitted_attainment, 4) if s is not None else None,
             spike_shed=round(s.shed_share, 4) if s is not None else None,
+            capped=r.capped if r is not None else 0,
         )
         # The cause comes from the run the row is judged by (`ModelAttainment.judged`).
         whole_lower = row.replayed is not None and row.judged == row.replayed != row.verified
@@ -795,7 +808,9 @@ def held_out_lower_bound(r: ModelResult, batches: int = HELD_OUT_BATCHES) -> flo
         return None
     shares = np.array([b.mean() for b in np.array_split(met.astype(np.float64), batches)])
     spread = float(shares.std(ddof=1)) / math.sqrt(batches)
-    return round(max(0.0, float(shares.mean()) - float(student_t.ppf(0.95, batches - 1)) * spread), 4)
+    return round(
+        max(0.0, float(shares.mean()) - float(student_t.ppf(0.95, batches - 1)) * spread), 4
+    )
 
 
 def _cause(r: ModelResult, ttft_slo: float, tpot_slo: float) -> str:

@@ -20,7 +20,7 @@ from solver.plan.planner import plan_stack
 from solver.plan_schema import Plan, diff_plans
 from solver.serving.library import Library
 from solver.simulation.simulator import simulate
-from solver.simulation.workload import stack_requests
+from solver.simulation.workload import model_contexts, stack_requests
 from solver.stack import FleetConfig, NodeAvailability
 from solver.types import Job
 
@@ -65,6 +65,7 @@ def run_epochs(
     serving when the run starts, unless `cold_start` (then it too waits `startup_s`)."""
     results = []
     previous: Plan | None = None
+    contexts = model_contexts(fleet.models, perf.cards)
     for e, factor in enumerate(factors):
         epoch_fleet = scaled_availability(fleet, perf.catalog, factor)
         plan = plan_stack(stack, epoch_fleet, perf.catalog, libs, previous)
@@ -86,7 +87,9 @@ def run_epochs(
         for k, (p, seconds) in enumerate(parts):
             if seconds <= 0:
                 continue
-            traces = stack_requests(fleet.models, seconds, seed=seed + 100 * e + 10 * k)
+            traces = stack_requests(
+                fleet.models, seconds, seed=seed + 100 * e + 10 * k, max_contexts=contexts
+            )
             result = simulate(p, fleet.models, perf, traces, seconds)
             for r in result.models.values():
                 good += float(r.output[r.met].sum())

@@ -26,6 +26,7 @@ class ModelResult:
     prefill_done_s: np.ndarray | None = None  # disaggregated: when prefill finished
     retried: int = 0  # requests cut by a spot preemption and retried on another instance
     shed: int = 0  # requests the gateway's admission control answered 429 (not in the arrays)
+    capped: int = 0  # offered requests whose lengths the model's context cut (Trace.capped)
 
     @property
     def ttft_ms(self) -> np.ndarray:
@@ -111,6 +112,9 @@ class SimResult:
                     shed=r.shed,
                     offered_attainment=round(r.offered_attainment, 4),
                 )
+        for m, r in self.models.items():  # only where the model's context cut some
+            if r.capped:
+                by_model[m]["capped"] = r.capped
         if any(r.retried for r in self.models.values()):  # only where preemptions cut some
             out["retried"] = sum(r.retried for r in self.models.values())
             for m, r in self.models.items():

@@ -616,6 +616,7 @@ def simulate(
             prefill_done,
             int(retried.sum()),
             shed,
+            offered.capped,
         )
     return SimResult(duration_s, results)
 

@@ -6,6 +6,16 @@ the project), else the packaged trace its `workload` is named after ("Azure Conv
 "Azure Code": `TRACE_SHAPES`), else requests generated like its `workload` shape
 (`traces.generate_trace`; "BurstGPT" and the "(lognormal)" shapes).
 
+Generated lengths, planned and simulated alike, come from one `traces.LengthDistribution`:
+lognormal with the declared means, capped only at the model's context (the `max_context` a
+caller passes, its model card's; without one nothing is capped): the prompt at max_context - 1,
+the output at max_context - prompt. `planning_workload` takes its quantiles, `model_trace` and
+`stack_requests` its samples; `Trace.capped` counts the requests the cap cut and
+`Workload.capped_share` is the share it cuts, for `traces.cap_note` to
+print. A trace's requests (packaged or CSV) are scaled to the declared means, then capped by
+the same rule (`traces.cap_lengths`): a recorded prompt longer than the model serves is not
+served as if it fit.
+
 - **Generated**: planning draws with seeds `PLAN_SEED + i`, verification with `VERIFY_SEED + i`,
   a replay with `REPLAY_SEED + i` (i: the model's index in name order).
 - **Trace**: the trace is cut into `TRACE_BLOCK_S` blocks; planning reads the even ones,
@@ -23,18 +33,25 @@ the project), else the packaged trace its `workload` is named after ("Azure Conv
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
-from statistics import NormalDist
 from typing import Literal
 
 import numpy as np
 
+from solver.catalog.model_cards import ModelCard, get_card
 from solver.errors import InputError
 from solver.io import data_path
-from solver.simulation.traces import DEFAULT_SHAPE, SHAPES, Trace, generate_trace, load_trace_csv
+from solver.simulation.traces import (
+    LengthDistribution,
+    Trace,
+    cap_lengths,
+    generate_trace,
+    load_trace_csv,
+    shape_of,
+)
 from solver.stack import ModelSpec
 
 Purpose = Literal["plan", "verify", "replay"]
@@ -53,6 +70,18 @@ PACKAGED_TRACES = {
 # pairs and its bursts, in windows), not a distribution fitted to it. "<name> (lognormal)" keeps
 # the generated shape (`traces.SHAPES`).
 TRACE_SHAPES = {"Azure Conversation": "azure-conv-2023", "Azure Code": "azure-code-2023"}
+# Quantiles of a generated shape's lengths in the capacity model's sample (planning_workload).
+PLAN_QUANTILES = 400
+
+
+def model_contexts(models: Iterable[str], cards: Mapping[str, ModelCard]) -> dict[str, int]:
+    """Each model's context in tokens (its card's `max_context`; a length bucket's is its
+    model's), for `stack_requests(max_contexts=...)`.
+
+    Raises:
+        InputError: a model without a card.
+    """
+    return {m: get_card(dict(cards), m).max_context for m in models}
 
 
 def trace_of(spec: ModelSpec) -> str | None:
@@ -83,6 +112,10 @@ class Workload:
     prompts: np.ndarray  # a sample of prompt lengths (tokens), sorted
     outputs: np.ndarray  # a sample of output lengths (tokens), sorted
     arrival_scv: float  # squared CV of arrivals, as counts in 1 s windows (IDC; 1 = Poisson)
+    # The share of the model's requests the context cuts: of the length distribution for a
+    # generated shape (`LengthDistribution.capped_share`), of the planning window's requests
+    # for a trace or a length bucket.
+    capped_share: float = 0.0
 
 
 def model_trace(
@@ -92,6 +125,7 @@ def model_trace(
     duration_s: float,
     root: Path | None = None,
     scale: float = 1.0,
+    max_context: int | None = None,
 ) -> Trace:
     """The model's requests for planning or verification, at `scale` x its demand rate.
 
@@ -102,12 +136,14 @@ def model_trace(
         duration_s: how long, at most (a trace window may be shorter).
         root: the project folder a relative `workload_trace` path is read from.
         scale: demand multiplier (a scarce plan's served fraction, `coral simulate --load`).
+        max_context: the model's context in tokens (its card's `max_context`): generated
+            lengths, generated or a trace's, are capped at it (module doc); None: not capped.
 
     Raises:
         InputError: an unknown packaged trace or an unreadable CSV.
     """
     if spec.length_slice is not None:
-        return _bucket_trace(spec, index, purpose, duration_s, root, scale)
+        return _bucket_trace(spec, index, purpose, duration_s, root, scale, max_context)
     rate = request_rate(spec) * scale
     if trace_of(spec) is None:
         seed = {"plan": PLAN_SEED, "verify": VERIFY_SEED, "replay": REPLAY_SEED}[purpose] + index
@@ -118,8 +154,9 @@ def model_trace(
             spec.mean_output_tokens,
             spec.workload,
             seed=seed,
+            max_context=max_context,
         )
-    return _trace_window(spec, purpose, rate, duration_s, root)
+    return _trace_window(spec, purpose, rate, duration_s, root, max_context)
 
 
 def _bucket_trace(
@@ -129,10 +166,12 @@ def _bucket_trace(
     duration_s: float,
     root: Path | None,
     scale: float,
+    max_context: int | None,
 ) -> Trace:
     """A length bucket's requests: the whole model's stream (at the model's rate and mean
     lengths) thinned to the prompts inside the bucket, so every request keeps its length,
-    arrival time and burst."""
+    arrival time and burst; thinned by the lengths as drawn (or recorded), then capped at
+    `max_context`, so a prompt longer than the context stays in the longest bucket."""
     s = spec.length_slice
     assert s is not None
     whole = spec.model_copy(
@@ -146,7 +185,8 @@ def _bucket_trace(
     keep = full.prompt > s.min_prompt_tokens
     if s.max_prompt_tokens is not None:
         keep &= full.prompt <= s.max_prompt_tokens
-    return Trace(full.arrival_s[keep], full.prompt[keep], full.output[keep])
+    prompt, output, capped = cap_lengths(full.prompt[keep], full.output[keep], max_context)
+    return Trace(full.arrival_s[keep], prompt, output, capped)
 
 
 def trace_window(arrival_s: np.ndarray, purpose: Purpose) -> tuple[np.ndarray, np.ndarray, float]:
@@ -177,7 +217,12 @@ def trace_window(arrival_s: np.ndarray, purpose: Purpose) -> tuple[np.ndarray, n
 
 
 def _trace_window(
-    spec: ModelSpec, purpose: Purpose, rate: float, duration_s: float, root: Path | None
+    spec: ModelSpec,
+    purpose: Purpose,
+    rate: float,
+    duration_s: float,
+    root: Path | None,
+    max_context: int | None,
 ) -> Trace:
     full = _read_trace(trace_of(spec) or "", root)
     idx, arrival, length = trace_window(full.arrival_s, purpose)
@@ -187,11 +232,12 @@ def _trace_window(
     inside = arrival < duration_s
     prompt_k = spec.mean_prompt_tokens / float(full.prompt.mean())
     output_k = spec.mean_output_tokens / float(full.output.mean())
-    return Trace(
-        arrival[inside],
+    prompt, output, capped = cap_lengths(
         np.maximum(1, np.rint(full.prompt[idx][inside] * prompt_k)).astype(np.int64),
         np.maximum(1, np.rint(full.output[idx][inside] * output_k)).astype(np.int64),
+        max_context,
     )
+    return Trace(arrival[inside], prompt, output, capped)
 
 
 @cache
@@ -221,14 +267,18 @@ def stack_requests(
     seed: int | None = None,
     root: Path | None = None,
     purpose: Purpose = "verify",
+    max_contexts: Mapping[str, int] | None = None,
 ) -> dict[str, Trace]:
     """Every model's requests at `load` x its demand, for up to `duration_s`: `model_trace`'s
     (a trace's window or generated with the purpose's seeds), or with `seed`, generated models
-    drawn with seeds `seed + i` instead (i: the model's index in name order)."""
+    drawn with seeds `seed + i` instead (i: the model's index in name order). `max_contexts`:
+    each model's context (`model_contexts`), which its generated lengths are capped at; a
+    model not in it is not capped."""
     out = {}
     for i, (model, spec) in enumerate(sorted(models.items())):
         if request_rate(spec) * load <= 0:
             continue
+        context = (max_contexts or {}).get(model)
         if seed is not None and trace_of(spec) is None and spec.length_slice is None:
             out[model] = generate_trace(
                 request_rate(spec) * load,
@@ -237,31 +287,31 @@ def stack_requests(
                 spec.mean_output_tokens,
                 spec.workload,
                 seed=seed + i,
+                max_context=context,
             )
         else:
-            out[model] = model_trace(spec, i, purpose, duration_s, root, load)
+            out[model] = model_trace(spec, i, purpose, duration_s, root, load, context)
     return out
 
 
-def planning_workload(spec: ModelSpec, index: int, root: Path | None = None) -> Workload:
+def planning_workload(
+    spec: ModelSpec, index: int, root: Path | None = None, max_context: int | None = None
+) -> Workload:
     """The length sample and arrival variability the capacity model plans with: the planning
-    window of the trace, or the workload shape's own distribution (400 quantiles)."""
-    if trace_of(spec) is not None:
-        trace = model_trace(spec, index, "plan", 3_600.0, root)
-        return Workload(np.sort(trace.prompt), np.sort(trace.output), _idc(trace.arrival_s))
-    shape = SHAPES.get(spec.workload, DEFAULT_SHAPE)
-    q = (np.arange(400) + 0.5) / 400
-    return Workload(
-        _lognormal_quantiles(spec.mean_prompt_tokens, shape.prompt_sigma, q),
-        _lognormal_quantiles(spec.mean_output_tokens, shape.output_sigma, q),
-        shape.arrival_cv**2,
+    window of the trace (or, for a length bucket, of its thinned stream, as it is verified
+    on), else PLAN_QUANTILES quantiles of the lengths the shape's requests are drawn from
+    (`LengthDistribution`, capped at `max_context`, the model's context; None: not capped)."""
+    if trace_of(spec) is not None or spec.length_slice is not None:
+        trace = model_trace(spec, index, "plan", 3_600.0, root, max_context=max_context)
+        share = trace.capped / len(trace) if len(trace) else 0.0
+        return Workload(np.sort(trace.prompt), np.sort(trace.output), _idc(trace.arrival_s), share)
+    shape = shape_of(spec.workload)
+    lengths = LengthDistribution.of(
+        spec.mean_prompt_tokens, spec.mean_output_tokens, shape, max_context
     )
-
-
-def _lognormal_quantiles(mean: float, sigma: float, q: np.ndarray) -> np.ndarray:
-    z = np.array([NormalDist().inv_cdf(float(x)) for x in q])
-    mu = np.log(mean) - sigma**2 / 2
-    return np.asarray(np.maximum(1.0, np.exp(mu + sigma * z)), dtype=np.float64)
+    q = (np.arange(PLAN_QUANTILES) + 0.5) / PLAN_QUANTILES
+    prompts, outputs = lengths.quantiles(q)
+    return Workload(prompts, outputs, shape.arrival_cv**2, lengths.capped_share())
 
 
 def _idc(arrival_s: np.ndarray, window_s: float = 1.0) -> float:

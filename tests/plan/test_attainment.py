@@ -15,7 +15,13 @@ from solver.plan import attainment, planner
 from solver.plan.planner import plan_with_library
 from solver.plan_schema import Plan
 from solver.simulation.simulator import simulate
-from solver.simulation.workload import TRACE_BLOCK_S, model_trace, stack_requests, trace_window
+from solver.simulation.workload import (
+    TRACE_BLOCK_S,
+    model_contexts,
+    model_trace,
+    stack_requests,
+    trace_window,
+)
 from solver.stack import load_stack
 from tests.conftest import REPO
 
@@ -354,9 +360,7 @@ def test_coral_keeps_a_restricted_search_only_when_it_serves_more_or_as_much_for
     assert best_at_target(found).hourly_cost_usd == cheapest.hourly_cost_usd
 
 
-def test_coral_keeps_a_dearer_search_that_meets_more_targets_at_the_same_serving(
-    perf, dev_library
-):
+def test_coral_keeps_a_dearer_search_that_meets_more_targets_at_the_same_serving(perf, dev_library):
     """paper-extended-small-heavy with spot allowed: the mixed search's plan (406.53 $/h)
     missed qwen3-235b-a22b's target, the on-demand search's (500.32) met every target and
     served as much. Meeting more targets comes before cost; serving more still comes first."""
@@ -424,7 +428,8 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     assert sims.run(half, fleet.models, "verify", 1_800, offered=1.0)["phi-4"] is gated
     assert len(calls) == 5
     assert gated.shed > 0.4 * gated.offered  # half the demand admitted, the rest shed
-    traces, window = attainment._traces(fleet.models, "verify", 1_800, plan, REPO)
+    contexts = model_contexts(fleet.models, perf.cards)
+    traces, window = attainment._traces(fleet.models, "verify", 1_800, plan, REPO, contexts)
     fresh = real(plan, fleet.models, perf, traces, window)
     assert np.array_equal(fresh.models["phi-4"].met, first["phi-4"].met)
 
@@ -547,3 +552,32 @@ def test_the_capacity_model_says_each_tenth_of_a_large_library_once() -> None:
     assert tiny is not None
     tiny(PROGRESS_TEMPLATES - 1, PROGRESS_TEMPLATES - 1)
     assert small == []  # a second or two: no progress lines
+
+
+def test_requests_longer_than_the_model_serves_are_capped_and_said(tmp_path, monkeypatch):
+    """Long prompts on phi-4 (a 16,384-token context): the held-out requests the context cuts
+    are verified as capped and counted in plan.json, coral plan says so, and says that the
+    stack's deploy.max_model_len (8,192 by default) makes vLLM refuse still more of them."""
+    root = project(
+        tmp_path,
+        mean_prompt_tokens=12_035,
+        mean_output_tokens=343,
+        workload="Azure Conversation (lognormal)",
+        slo_ms={"prefill": 8_000, "decode": 60},
+        demand={"requests_per_s": 0.2},
+    )
+    monkeypatch.chdir(root)
+    r = runner.invoke(app, ["plan", "--stack", "s", "--out", "plan.json"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    (row,) = Plan.model_validate_json((root / "plan.json").read_text()).attainment
+    assert row.workload.startswith("generated, not a trace")
+    assert 0.1 * row.verified_requests < row.capped < 0.5 * row.verified_requests
+    text = " ".join(r.output.split())
+    assert f"{row.capped:,} of about" in text and "16,384-token context" in text
+    assert "longer than coral:deploy.max_model_len (8,192 tokens)" in text
+    # Where nothing is cut the plan says nothing of it, and plan.json holds no `capped` key.
+    monkeypatch.chdir(project(tmp_path / "short", mean_prompt_tokens=300))
+    r = runner.invoke(app, ["plan", "--stack", "s", "--out", "plan.json"], env={"COLUMNS": "200"})
+    assert r.exit_code == 0, r.output
+    assert "capped" not in (tmp_path / "short" / "plan.json").read_text()
+    assert "context" not in r.output

@@ -16,6 +16,7 @@ from solver.plan.attainment import _traces
 from solver.plan.planner import plan_with_library
 from solver.simulation.admission import admission_limits
 from solver.simulation.simulator import simulate
+from solver.simulation.workload import model_contexts
 from solver.stack import load_stack
 from tests.conftest import REPO
 
@@ -53,7 +54,8 @@ def test_a_scarce_plan_is_verified_at_its_whole_demand_and_its_admitted_requests
 
 def test_without_admission_control_the_same_traffic_misses_for_nearly_every_request(scarce):
     perf, fleet, plan = scarce
-    traces, window = _traces(fleet.models, "verify", 1_800, plan, REPO, offered=1.0)
+    contexts = model_contexts(fleet.models, perf.cards)
+    traces, window = _traces(fleet.models, "verify", 1_800, plan, REPO, contexts, offered=1.0)
     gated = simulate(
         plan, fleet.models, perf, traces, window, admission=admission_limits(plan, fleet.models)
     )
