@@ -178,7 +178,11 @@ def plan(
             f"{a.cause}"
         )
     for line in (
-        zone_loss_warnings(result) + spike_warnings(result) + workload_warnings(result) + contexts
+        zone_loss_warnings(result)
+        + shed_warnings(result)
+        + spike_warnings(result)
+        + workload_warnings(result)
+        + contexts
     ):
         warn(line)
     if admission.gateway is None and result.serves_any():
@@ -358,6 +362,26 @@ def show_admission(admission: Admission) -> None:
             r.basis,
         )
     out.print(table)
+
+
+# A model served in full whose gateway sheds more than this share of its requests at the stated
+# demand is warned of: its clients get 429s in ordinary traffic, not only in a spike.
+SHED_AT_DEMAND_WARNING = 0.01
+
+
+def shed_warnings(plan: Plan) -> list[str]:
+    """A line per model the plan serves in full that the gateway still sheds at its demand: its
+    capacity at the target leaves too little room above the demand for a minute's bursts."""
+    return [
+        f"{a.model}: the plan serves all of its demand, yet the gateway sheds "
+        f"{100 * (a.shed or 0):.1f}% of its requests at that demand: bursts within a minute go "
+        "above its capacity at the target, and those requests get 429. Lower "
+        "coral:fleet.allocation.target_utilization to give it room above the demand"
+        for a in plan.attainment
+        if plan.fraction_of(a.model) >= 1
+        and (a.shed or 0) > SHED_AT_DEMAND_WARNING
+        and "@" not in a.model
+    ]
 
 
 def spike_warnings(plan: Plan) -> list[str]:
