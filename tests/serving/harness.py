@@ -266,8 +266,11 @@ def rescale(partition: list[int], layers: int) -> list[int]:
     return raw
 
 
-def start(node: Node, index: str, bin_dir: Path, log: Path) -> subprocess.Popen[bytes]:
-    """Run the node's rendered start script for process `index`, as systemd's unit would."""
+def start(
+    node: Node, index: str, bin_dir: Path, log: Path, cores: set[int] | None = None
+) -> subprocess.Popen[bytes]:
+    """Run the node's rendered start script for process `index`, as systemd's unit would;
+    with `cores`, every process of it (API server, engine, worker) runs on those cores only."""
     env = os.environ | CPU_ENV | {
         "PATH": f"{bin_dir}:{os.environ['PATH']}",
         "VLLM_CPU_OMP_THREADS_BIND": str(node.cpu_core),
@@ -279,6 +282,7 @@ def start(node: Node, index: str, bin_dir: Path, log: Path) -> subprocess.Popen[
             stderr=subprocess.STDOUT,
             env=env,
             start_new_session=True,  # its own process group: stopped as a unit
+            preexec_fn=(lambda: os.sched_setaffinity(0, cores)) if cores else None,
         )
     node.procs[index] = proc
     return proc
