@@ -21,6 +21,7 @@ import base64
 import gzip
 import re
 from collections.abc import Collection, Mapping, Sequence
+from pathlib import Path
 from typing import Literal, cast
 
 from jinja2 import Environment
@@ -278,14 +279,18 @@ def render_haproxy_config(
 
 
 def gateway_limits(
-    plan: Plan, models: Mapping[str, ModelSpec], states: Mapping[str, str] | None = None
+    plan: Plan,
+    models: Mapping[str, ModelSpec],
+    states: Mapping[str, str] | None = None,
+    root: Path | None = None,
 ) -> dict[str, AdmissionLimit]:
     """What the gateway admits per backend: `admission_limits` (the solver's rule, the one the
     simulator verifies the plan with) over the instances that take requests, so a draining
-    replica's capacity is not admitted (`states` as for `gateway_upstreams`)."""
+    replica's capacity is not admitted (`states` as for `gateway_upstreams`; `root`: the
+    project folder a CSV `workload_trace` is read from)."""
     states = states or {}
     serving = [i for i in plan.instances if states.get(i.key, "ready") != "draining"]
-    return admission_limits(plan.model_copy(update={"instances": serving}), models)
+    return admission_limits(plan.model_copy(update={"instances": serving}), models, root)
 
 
 class AdmissionRow(BaseModel):
@@ -303,10 +308,12 @@ class AdmissionRow(BaseModel):
     retry_after_s: int
 
 
-def admission_rows(plan: Plan, models: Mapping[str, ModelSpec]) -> list[AdmissionRow]:
+def admission_rows(
+    plan: Plan, models: Mapping[str, ModelSpec], root: Path | None = None
+) -> list[AdmissionRow]:
     """Per model of the plan (length buckets apart): its demand, its capacity and what the
     gateway admits (`gateway_limits`)."""
-    limits = gateway_limits(plan, models)
+    limits = gateway_limits(plan, models, root=root)
     capacity = capacity_rps(plan, models)
     rates = request_rates(plan, models)
     return [

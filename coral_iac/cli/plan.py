@@ -337,7 +337,9 @@ def admission_report(plan: Any, fleet: Any, stack: str) -> Admission:
     deploy = load_deploy_settings(stacks_dir(), stack)
     region = gateway_region(fleet.regions, deploy.gateway) if deploy.gateway.enabled else None
     routed = fleet_for_plan(fleet, plan)  # length buckets as models of their own
-    return Admission(gateway=region, models=admission_rows(plan, routed.models))
+    return Admission(
+        gateway=region, models=admission_rows(plan, routed.models, stacks_dir().parent)
+    )
 
 
 def show_admission(admission: Admission) -> None:

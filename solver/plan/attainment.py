@@ -639,7 +639,7 @@ class Simulations:
         admission control (`admission_limits`), as the deployed fleet takes it."""
         contexts = model_contexts(specs, self.perf.cards)
         traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root, contexts, offered)
-        limits = admission_limits(plan, specs) if offered is not None else {}
+        limits = admission_limits(plan, specs, self.root) if offered is not None else {}
         templates: dict[str, list[str]] = {}
         for i in plan.instances:
             templates.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
@@ -703,7 +703,7 @@ def under_preemption(
     contexts = model_contexts(scope.models, perf.cards)
     traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root, contexts, 1.0)
     traces = {m: t for m, t in traces.items() if m in spot_models}
-    limits = admission_limits(plan, scope.models)
+    limits = admission_limits(plan, scope.models, root)
     worst: dict[str, float] = {}
     # A third into the requests: a trace's held-out window can end well before `duration_s`.
     span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)

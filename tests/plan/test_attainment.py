@@ -575,9 +575,10 @@ def test_requests_longer_than_the_model_serves_are_capped_and_said(tmp_path, mon
     text = " ".join(r.output.split())
     assert f"{row.capped:,} of about" in text and "16,384-token context" in text
     assert "longer than coral:deploy.max_model_len (8,192 tokens)" in text
-    # Capacity at the target barely above a low demand: a minute's bursts are shed, and said.
-    assert row.shed is not None and row.shed > 0.01
-    assert f"yet the gateway sheds {100 * row.shed:.1f}% of its requests at that demand" in text
+    # Capacity at the target barely above a low demand (0.217 against 0.2 requests/s): the
+    # gateway admits the demand's own busy minutes instead of shedding them.
+    assert row.shed is not None and row.shed < 0.01
+    assert "yet the gateway sheds" not in text
     # Where nothing is cut the plan says nothing of it, and plan.json holds no `capped` key.
     monkeypatch.chdir(project(tmp_path / "short", mean_prompt_tokens=300))
     r = runner.invoke(app, ["plan", "--stack", "s", "--out", "plan.json"], env={"COLUMNS": "200"})

@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.performance.default_model import load_perf_model
-from solver.simulation.admission import PERIOD_S, admission_limits, admit, capacity_rps
+from solver.simulation.admission import (
+    PERIOD_S,
+    admission_limits,
+    admit,
+    capacity_rps,
+    demand_peak,
+)
 from solver.simulation.simulator import simulate
 from solver.simulation.traces import WorkloadShape, generate_trace
 from solver.stack import ModelSpec
@@ -35,10 +41,26 @@ AGG = [("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 3)]
 def test_a_fully_served_model_admits_its_capacity_whatever_the_stated_demand():
     plan = make_plan(AGG)
     low = admission_limits(plan, {"phi-4": spec(1.0)})["phi-4"]
-    high = admission_limits(plan, {"phi-4": spec(5.5)})["phi-4"]
-    assert low.basis == high.basis == "capacity at target"
-    assert low.requests_per_s == high.requests_per_s == 6.0  # three instances of 2 requests/s
+    mid = admission_limits(plan, {"phi-4": spec(3.0)})["phi-4"]
+    assert low.basis == mid.basis == "capacity at target"
+    assert low.requests_per_s == mid.requests_per_s == 6.0  # three instances of 2 requests/s
     assert capacity_rps(plan, {"phi-4": spec(1.0)}) == capacity_rps(plan, {"phi-4": spec(5.5)})
+
+
+def test_a_fully_served_model_admits_the_busy_minutes_its_demand_brings():
+    """Capacity 6/s against a demand of 5.5/s: the demand's own minutes go above 360 requests
+    (Poisson-like at 330 a minute), and the gateway admits them rather than shed traffic the
+    instances were sized for; one minute in a hundred of the demand goes past the count."""
+    plan = make_plan(AGG)
+    models = {"phi-4": spec(5.5)}
+    limit = admission_limits(plan, models)["phi-4"]
+    assert limit.basis == "demand's busy minutes" and limit.count > 6 * PERIOD_S
+    assert limit.count == demand_peak(models, "phi-4")
+    demand = generate_trace(5.5, 7_200, 1020, 129, seed=11)
+    assert (1 - admit(demand.arrival_s, limit).mean()) < 0.01
+    # A scarce plan's window is always full: it admits its share, no busy-minute allowance.
+    scarce = plan.model_copy(update={"served_fraction": 0.5, "served_fractions": {"phi-4": 0.5}})
+    assert admission_limits(scarce, models)["phi-4"].count == int(0.5 * 5.5 * PERIOD_S)
 
 
 def test_a_scarce_model_admits_its_served_share_of_the_demand():
@@ -88,7 +110,8 @@ def test_over_a_long_run_the_admitted_rate_is_the_limit(count, period, overload)
 def test_the_simulator_sheds_the_excess_and_counts_it():
     perf = load_perf_model()
     plan = make_plan([("phi-4", "aggregated", "l40sx1", "l40sx1", 2.0, 1)])
-    models = {"phi-4": spec(4.0)}  # twice what the one instance is planned to serve
+    models = {"phi-4": spec(1.0)}  # half what the one instance is planned to serve
+    # A spike: four times the demand, twice the capacity.
     trace = generate_trace(4.0, 300, 1020, 129, shape=WorkloadShape(1.0, 0.0, 0.0), seed=3)
     limits = admission_limits(plan, models)
     shed = simulate(plan, models, perf, {"phi-4": trace}, 300.0, admission=limits)
@@ -101,3 +124,23 @@ def test_the_simulator_sheds_the_excess_and_counts_it():
     assert np.median(r.ttft_ms) < np.median(flooded.models["phi-4"].ttft_ms)
     summary = shed.summary()["by_model"]["phi-4"]  # type: ignore[index]
     assert summary["shed"] == r.shed and summary["offered"] == len(trace)
+
+
+def test_coral_plan_warns_of_a_fully_served_model_shed_at_its_demand():
+    from coral_iac.cli.plan import shed_warnings
+    from solver.plan_schema import ModelAttainment
+
+    def row(model: str, shed: float) -> ModelAttainment:
+        return ModelAttainment(
+            model=model, target=0.9, workload="w", planned=0.95, verified=0.95, shed=shed
+        )
+
+    plan = make_plan(AGG).model_copy(
+        update={"attainment": [row("phi-4", 0.05)], "served_fractions": {"phi-4": 1.0}}
+    )
+    (line,) = shed_warnings(plan)
+    assert line.startswith("phi-4: the plan serves all of its demand, yet the gateway sheds 5.0%")
+    assert "target_utilization" in line
+    calm = plan.model_copy(update={"attainment": [row("phi-4", 0.005)]})
+    scarce = plan.model_copy(update={"served_fractions": {"phi-4": 0.5}, "served_fraction": 0.5})
+    assert shed_warnings(calm) == [] and shed_warnings(scarce) == []
