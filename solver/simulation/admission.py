@@ -49,6 +49,8 @@ PERIOD_S = 60
 # traffic (the Azure code trace's busy minutes: 54% of staging's gpt-oss-20b requests at its
 # demand, which the replicas serve within the SLOs 99.8% of the time without the gateway).
 PEAK_QUANTILE = 0.99
+# The planning workload `demand_peak` counts over: four hours, or the trace's planning window.
+PEAK_WINDOW_S = 4 * 3_600.0
 Basis = Literal["served share", "capacity at target", "demand's busy minutes"]
 
 
@@ -146,10 +148,6 @@ def _peak(spec_json: str, index: int, root: str | None, period_s: int) -> int:
         return 0
     counts = np.bincount((trace.arrival_s // period_s).astype(np.int64))
     return math.ceil(float(np.quantile(counts[:-1] if len(counts) > 1 else counts, PEAK_QUANTILE)))
-
-
-# The planning workload `demand_peak` counts over: four hours, or the trace's planning window.
-PEAK_WINDOW_S = 4 * 3_600.0
 
 
 def admission_limits(
