@@ -188,12 +188,14 @@ class Gateway(pulumi.ComponentResource):
         addresses: Mapping[str, pulumi.Output[str]],
         states: Mapping[str, str] | None = None,
         models: Mapping[str, ModelSpec] | None = None,
+        room: float = 1.0,
     ) -> dict[str, pulumi.Output[str]]:
         """Declare the configuration parameter (updated in place); returns the URL per model.
         `models` (the serving fleet's specs, length buckets included): each backend admits what
-        the plan gives it (`gateway_limits`); None admits every request."""
+        the plan gives it (`gateway_limits`, with `room`: 1 / `allocation.target_utilization`);
+        None admits every request."""
         settings, port = self.args.settings, self.args.api_port
-        limits = gateway_limits(plan, models, states) if models is not None else None
+        limits = gateway_limits(plan, models, states, room=room) if models is not None else None
 
         def pack(resolved: Mapping[str, str]) -> str:
             upstreams = gateway_upstreams(plan, resolved, states)

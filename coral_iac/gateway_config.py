@@ -283,14 +283,16 @@ def gateway_limits(
     models: Mapping[str, ModelSpec],
     states: Mapping[str, str] | None = None,
     root: Path | None = None,
+    room: float = 1.0,
 ) -> dict[str, AdmissionLimit]:
     """What the gateway admits per backend: `admission_limits` (the solver's rule, the one the
     simulator verifies the plan with) over the instances that take requests, so a draining
     replica's capacity is not admitted (`states` as for `gateway_upstreams`; `root`: the
-    project folder a CSV `workload_trace` is read from)."""
+    project folder a CSV `workload_trace` is read from; `room`: 1 / the stack's
+    `allocation.target_utilization`)."""
     states = states or {}
     serving = [i for i in plan.instances if states.get(i.key, "ready") != "draining"]
-    return admission_limits(plan.model_copy(update={"instances": serving}), models, root)
+    return admission_limits(plan.model_copy(update={"instances": serving}), models, root, room)
 
 
 class AdmissionRow(BaseModel):
@@ -309,11 +311,11 @@ class AdmissionRow(BaseModel):
 
 
 def admission_rows(
-    plan: Plan, models: Mapping[str, ModelSpec], root: Path | None = None
+    plan: Plan, models: Mapping[str, ModelSpec], root: Path | None = None, room: float = 1.0
 ) -> list[AdmissionRow]:
     """Per model of the plan (length buckets apart): its demand, its capacity and what the
     gateway admits (`gateway_limits`)."""
-    limits = gateway_limits(plan, models, root=root)
+    limits = gateway_limits(plan, models, root=root, room=room)
     capacity = capacity_rps(plan, models)
     rates = request_rates(plan, models)
     return [

@@ -302,7 +302,11 @@ def declare(
     if gateway is not None:
         try:
             by_model = gateway.publish(
-                plan, upstreams, _gateway_states(plan, states or {}), fleet.models
+                plan,
+                upstreams,
+                _gateway_states(plan, states or {}),
+                fleet.models,
+                fleet.attainment_scope().room,
             )
         except CoralError as e:
             raise pulumi.RunError(str(e)) from None

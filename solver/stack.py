@@ -412,9 +412,10 @@ class AllocationSettings(BaseModel):
         default=1.0,
         ge=0.01,
         le=1,
-        description="Expert override: capacity = demand / this, on top of the capacity at the "
-        "models' SLO attainment targets (which is how headroom is bought; leave it at 1.0). "
-        "At least 0.01 (100 times the demand).",
+        description="Room above the demand: the plan buys capacity for demand / this and the "
+        "SLO closed loop meets the attainment targets at that load, so a lasting spike up to "
+        "it holds them (0.67: 1.5x the demand). 1.0: sized for the demand itself. A served "
+        "fraction below 1 is of demand / this. At least 0.01 (100 times the demand).",
     )
     budget_usd_per_hour: float | None = Field(
         default=None,
@@ -587,11 +588,14 @@ class AttainmentScope:
     (`FleetConfig.attainment_scope`): the models' specs by name (SLOs, targets, workloads)
     and the attainment settings (rounds, simulated minutes); and the minutes a replacement
     needs to boot, for verifying a plan's spot instances under a zone's loss (None: verified
-    without it)."""
+    without it); and the room bought above the demand (`room`: 1 / `allocation.
+    target_utilization`): the closed loop meets the targets at room x the demand it serves and
+    the gateway admits that much of a scarce model; the verification stays at the demand)."""
 
     models: Mapping[str, ModelSpec]
     attainment: AttainmentSettings
     boot_minutes: float | None = None
+    room: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -653,7 +657,12 @@ class FleetConfig(BaseModel):
 
     def attainment_scope(self) -> AttainmentScope:
         """The part of this fleet the closed loop and the verification read."""
-        return AttainmentScope(self.models, self.attainment, self.allocation.boot_minutes)
+        return AttainmentScope(
+            self.models,
+            self.attainment,
+            self.allocation.boot_minutes,
+            1.0 / self.allocation.target_utilization,
+        )
 
     def plan_scope(self) -> PlanScope:
         """The part of this fleet a plan is checked against."""

@@ -338,7 +338,10 @@ def admission_report(plan: Any, fleet: Any, stack: str) -> Admission:
     region = gateway_region(fleet.regions, deploy.gateway) if deploy.gateway.enabled else None
     routed = fleet_for_plan(fleet, plan)  # length buckets as models of their own
     return Admission(
-        gateway=region, models=admission_rows(plan, routed.models, stacks_dir().parent)
+        gateway=region,
+        models=admission_rows(
+            plan, routed.models, stacks_dir().parent, fleet.attainment_scope().room
+        ),
     )
 
 
@@ -391,9 +394,10 @@ def spike_warnings(plan: Plan) -> list[str]:
     return [
         f"{a.model}: at 1.5x its demand the gateway sheds {100 * (a.spike_shed or 0):.1f}% and "
         f"the admitted requests meet the SLOs {100 * a.spike:.1f}% of the time, below the "
-        f"target {100 * a.target:g}%: its capacity at the target is more than its instances "
-        "hold under a burst. Lower coral:fleet.allocation.target_utilization for room, or "
-        "accept that spikes degrade it"
+        f"target {100 * a.target:g}%: a lasting spike under what the gateway admits (its "
+        "capacity at the target, or its demand's busy minutes) reaches replicas sized for the "
+        "demand. Lower coral:fleet.allocation.target_utilization to size them for more (0.67: "
+        "for 1.5x the demand), or accept that spikes degrade it"
         for a in plan.attainment
         if a.spike is not None and a.spike < a.target and "@" not in a.model
     ]

@@ -118,7 +118,8 @@ def simulate_cmd(
         traces = stack_workload(fleet, span, load, seed, contexts)
         what = f"{span:g} s of {stack} at {load:g}x demand"
     replayed = _outages(plan, fleet, perf, span, seed, outages, preemptions)
-    limits = admission_limits(plan, fleet.models, stacks_dir().parent) if admission else None
+    room = fleet.attainment_scope().room
+    limits = admission_limits(plan, fleet.models, stacks_dir().parent, room) if admission else None
     summary = simulate(plan, fleet.models, perf, traces, span, replayed, limits).summary()
     summary["duration_s"] = span
     summary["admission"] = (

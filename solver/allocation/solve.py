@@ -339,7 +339,8 @@ def _most_served(problem: Problem) -> tuple[dict[str, float], list[str], dict[in
         solved = MostServed(
             found, model.slot_rows, model.pool_rows, least, _unbudgeted_steps(problem)
         )
-        lines = [*_short_models(steps), *binding(sub, solved, problem)]
+        u = problem.settings.target_utilization
+        lines = [*_short_models(steps, u), *binding(sub, solved, problem)]
     counts = {keep[i]: n for i, n in found.items() if n}
     fractions = {m: floors.get(m, 0) / FRACTION_STEPS for m in served_models(problem)}
     # The cost solve starts from the cheaper of that plan and the cheapest single-config
@@ -371,10 +372,22 @@ def _solve_most_served(model: IlpModel) -> tuple[int, float]:
     return model.solve(relative_gap=whole_steps_gap(steps), node_limit=MOST_SERVED_NODES)
 
 
-def _short_models(steps: dict[str, int]) -> list[str]:
-    """One line per model served less than in full, least served first."""
+def _short_models(steps: dict[str, int], u: float = 1.0) -> list[str]:
+    """One line per model served less than in full, least served first; with a target
+    utilization `u` below 1 the fraction is of demand / u, and the line says how much of the
+    demand itself that is."""
+
+    def line(m: str, n: int) -> str:
+        f = n / FRACTION_STEPS
+        if u >= 1:
+            return f"{m}: serves {f:.1%} of its demand"
+        return (
+            f"{m}: serves {f:.1%} of its demand / target_utilization {u:g} "
+            f"({min(1.0, f / u):.1%} of its demand)"
+        )
+
     return [
-        f"{m}: serves {n / FRACTION_STEPS:.1%} of its demand"
+        line(m, n)
         for m, n in sorted(steps.items(), key=lambda kv: (kv[1], kv[0]))
         if n < FRACTION_STEPS
     ]

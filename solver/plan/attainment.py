@@ -454,7 +454,9 @@ class ClosedLoopRound:
             return plan, {}, {}
         minutes = self.scope.attainment.planning_minutes
         with timing.phase("closed-loop simulation"):
-            sims = self.sims.run(plan, self.scope.models, "plan", minutes * 60)
+            sims = self.sims.run(
+                plan, self.scope.models, "plan", minutes * 60, room=self.scope.room
+            )
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
         if self.progress:
             line = ", ".join(f"{m} {100 * a:.1f}%" for m, a in sorted(planned.items()))
@@ -544,14 +546,16 @@ def _traces(
     root: Path | None,
     contexts: Mapping[str, int],
     offered: float | None = None,
+    room: float = 1.0,
 ) -> tuple[dict[str, Trace], float]:
     """Every served model's requests, over a window long enough for MIN_REQUESTS of the slowest
     model, lengths capped at each model's context (`contexts`, `model_contexts`); returns the
     traces and the window's length. At the fraction of its demand the plan
-    serves (what the closed loop sizes), or with `offered`, at that multiple of its whole demand
-    (what reaches the gateway, which sheds what the plan does not admit)."""
+    serves times `room` (what the closed loop sizes: `AttainmentScope.room`), or with `offered`,
+    at that multiple of its whole demand (what reaches the gateway, which sheds what the plan
+    does not admit)."""
     scale = {
-        m: plan.fraction_of(m) if offered is None or plan.fraction_of(m) <= 0 else offered
+        m: plan.fraction_of(m) * room if offered is None or plan.fraction_of(m) <= 0 else offered
         for m in models
     }
     # The window holds MIN_REQUESTS of the slowest model's served (with `offered`: admitted)
@@ -632,14 +636,18 @@ class Simulations:
         duration_s: float,
         models: set[str] | None = None,
         offered: float | None = None,
+        room: float = 1.0,
     ) -> dict[str, ModelResult]:
         """`plan` simulated on its stack's `purpose` workload for at least `duration_s`
         (`simulate_workload`), per served model (of `models` when given), reusing results.
         With `offered`, at that multiple of each model's whole demand behind the gateway's
-        admission control (`admission_limits`), as the deployed fleet takes it."""
+        admission control (`admission_limits`, with `room`), as the deployed fleet takes it;
+        without it, at `room` x the demand each model is served (the closed loop's load)."""
         contexts = model_contexts(specs, self.perf.cards)
-        traces, duration_s = _traces(specs, purpose, duration_s, plan, self.root, contexts, offered)
-        limits = admission_limits(plan, specs, self.root) if offered is not None else {}
+        traces, duration_s = _traces(
+            specs, purpose, duration_s, plan, self.root, contexts, offered, room
+        )
+        limits = admission_limits(plan, specs, self.root, room) if offered is not None else {}
         templates: dict[str, list[str]] = {}
         for i in plan.instances:
             templates.setdefault(i.model, []).append(f"{i.phase}/{i.template}")
@@ -653,6 +661,7 @@ class Simulations:
                 specs[m].model_dump_json(),
                 plan.fraction_of(m),
                 offered,
+                room,
                 limits[m].count if m in limits else None,
                 limits[m].period_s if m in limits else None,
                 *sorted(t),
@@ -703,7 +712,7 @@ def under_preemption(
     contexts = model_contexts(scope.models, perf.cards)
     traces, duration_s = _traces(scope.models, "verify", duration_s, plan, root, contexts, 1.0)
     traces = {m: t for m, t in traces.items() if m in spot_models}
-    limits = admission_limits(plan, scope.models, root)
+    limits = admission_limits(plan, scope.models, root, scope.room)
     worst: dict[str, float] = {}
     # A third into the requests: a trace's held-out window can end well before `duration_s`.
     span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)
@@ -743,15 +752,21 @@ def verify_plan(
         # At the whole demand, behind the gateway's admission control: a scarce plan's excess
         # is shed as the deployed gateway sheds it, not left out of the traffic.
         sim = (
-            sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0) if minutes > 0 else {}
+            sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0, room=scope.room)
+            if minutes > 0
+            else {}
         )
         spike = (
-            sims.run(plan, scope.models, "verify", minutes * 60, offered=SPIKE_LOAD)
+            sims.run(
+                plan, scope.models, "verify", minutes * 60, offered=SPIKE_LOAD, room=scope.room
+            )
             if minutes > 0
             else {}
         )
         whole = (
-            sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced, offered=1.0)
+            sims.run(
+                plan, scope.models, "replay", REPLAY_MAX_S, traced, offered=1.0, room=scope.room
+            )
             if minutes > 0 and traced
             else {}
         )

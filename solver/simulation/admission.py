@@ -151,24 +151,25 @@ def _peak(spec_json: str, index: int, root: str | None, period_s: int) -> int:
 
 
 def admission_limits(
-    plan: Plan, models: Mapping[str, ModelSpec], root: Path | None = None
+    plan: Plan, models: Mapping[str, ModelSpec], root: Path | None = None, room: float = 1.0
 ) -> dict[str, AdmissionLimit]:
     """Per model of the plan with instances (length buckets apart): what the gateway admits.
 
-    A model served in part (`plan.fraction_of(m) < 1`) admits its served share of its demand;
-    one served in full admits its capacity at the target (at least its demand: rounding a plan's
-    instances up gives it room, which a spike may use), or its demand's busy minutes where they
-    bring more (`demand_peak`). `models`: the specs by the plan's model name (length buckets'
-    may be left out: a bucket's share of its model is in the plan); `root`: the project folder
-    (for a CSV `workload_trace`)."""
+    A model served in part admits its served share of its demand (`plan.fraction_of(m)` x
+    `room` below 1; `room`: 1 / `allocation.target_utilization`, as the plan was sized for:
+    its served fraction is of room x the demand); one served in full admits its capacity at the
+    target (at least its demand: rounding a plan's instances up gives it room, which a spike may
+    use), or its demand's busy minutes where they bring more (`demand_peak`). `models`: the
+    specs by the plan's model name (length buckets' may be left out: a bucket's share of its
+    model is in the plan); `root`: the project folder (for a CSV `workload_trace`)."""
     rates = request_rates(plan, models)
     capacity = capacity_rps(plan, models)
     out: dict[str, AdmissionLimit] = {}
     for name, cap in capacity.items():
-        fraction = plan.fraction_of(name)
+        share = plan.fraction_of(name) * room
         basis: Basis
-        if fraction < 1:
-            rate, basis = fraction * rates.get(name, 0.0), "served share"
+        if share < 1:
+            rate, basis = share * rates.get(name, 0.0), "served share"
         else:
             rate, basis = max(cap, rates.get(name, 0.0)), "capacity at target"
             peak = demand_peak(models, name, root) / PERIOD_S

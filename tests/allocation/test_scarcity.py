@@ -97,6 +97,17 @@ def test_coral_says_which_model_it_cannot_serve_and_why():
     assert any(line.startswith(alone) for line in s.binding)
 
 
+def test_a_served_fraction_bought_with_room_says_how_much_of_the_demand_it_is():
+    """With target_utilization 0.8 the problem's demand is the stack's / 0.8: half of it is
+    62.5% of what the stack declared, and the line says both."""
+    market, columns = market_and_columns({"x": 4}, {PHI: "x", GPT: "x"})
+    s = by_method(stack(target_utilization=0.8), market, demand_of({PHI: 200, GPT: 200}), columns)
+    assert s["coral"].binding[:2] == [
+        f"{m}: serves 50.0% of its demand / target_utilization 0.8 (62.5% of its demand)"
+        for m in sorted((PHI, GPT))
+    ]
+
+
 @pytest.mark.parametrize("method", ["coral", "homo", "cauchy-paper"])
 def test_models_short_of_the_same_nodes_share_them_evenly(method):
     """4 nodes, each model needs 2 + 2 for all of its demand: each gets 1 + 1 (50%)."""

@@ -585,3 +585,28 @@ def test_requests_longer_than_the_model_serves_are_capped_and_said(tmp_path, mon
     assert r.exit_code == 0, r.output
     assert "capped" not in (tmp_path / "short" / "plan.json").read_text()
     assert "context" not in r.output
+
+
+def test_a_lower_target_utilization_buys_room_the_closed_loop_keeps(tmp_path, perf):
+    """Regression: the closed loop met the targets at the demand and gave back all the capacity
+    `target_utilization` bought (dev at 2 requests/s: 3.72 $/h at 0.67 as at 1.0, meeting the
+    target through a 1.5x spike for 81.5% of the admitted requests). It now meets them at
+    demand / u, so the room stays and holds that spike."""
+    plans = {}
+    for u in (1.0, 0.67):
+        root = project(tmp_path / str(u), demand={"requests_per_s": 2})
+        doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
+        doc["config"]["coral:fleet"].setdefault("allocation", {})["target_utilization"] = u
+        (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+        assert load_stack(root / "stacks", "s").attainment_scope().room == pytest.approx(1 / u)
+        plans[u] = plan_s(root, perf, tmp_path / "lib")
+    (tight,), (roomy,) = plans[1.0].attainment, plans[0.67].attainment
+    assert plans[0.67].hourly_cost_usd > plans[1.0].hourly_cost_usd
+    assert tight.spike is not None and tight.spike < tight.target  # the case the room is for
+    assert roomy.spike is not None and roomy.spike >= roomy.target
+    assert roomy.verified is not None and roomy.verified >= roomy.target
+    # 1.5x the demand straight into the replicas, no gateway: the loop sized them for it.
+    sims = attainment.Simulations(perf, tmp_path / "0.67")
+    scope = load_stack(tmp_path / "0.67" / "stacks", "s").attainment_scope()
+    spike = sims.run(plans[0.67], scope.models, "verify", 1_800, room=1.5)["phi-4"]
+    assert float(spike.met.mean()) >= roomy.target

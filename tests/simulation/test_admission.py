@@ -61,6 +61,13 @@ def test_a_fully_served_model_admits_the_busy_minutes_its_demand_brings():
     # A scarce plan's window is always full: it admits its share, no busy-minute allowance.
     scarce = plan.model_copy(update={"served_fraction": 0.5, "served_fractions": {"phi-4": 0.5}})
     assert admission_limits(scarce, models)["phi-4"].count == int(0.5 * 5.5 * PERIOD_S)
+    # Planned with room (target_utilization 0.8, room 1.25), its served fraction is of 1.25x
+    # the demand: half of that is 62.5% of the demand, and 80% of it the whole demand.
+    assert admission_limits(scarce, models, room=1.25)["phi-4"].count == int(
+        0.625 * 5.5 * PERIOD_S
+    )
+    most = plan.model_copy(update={"served_fraction": 0.8, "served_fractions": {"phi-4": 0.8}})
+    assert admission_limits(most, models, room=1.25)["phi-4"] == limit
 
 
 def test_a_scarce_model_admits_its_served_share_of_the_demand():
@@ -144,3 +151,25 @@ def test_coral_plan_warns_of_a_fully_served_model_shed_at_its_demand():
     calm = plan.model_copy(update={"attainment": [row("phi-4", 0.005)]})
     scarce = plan.model_copy(update={"served_fractions": {"phi-4": 0.5}, "served_fraction": 0.5})
     assert shed_warnings(calm) == [] and shed_warnings(scarce) == []
+
+
+def test_coral_plan_warns_of_a_model_below_its_target_in_a_spike_and_names_the_remedy():
+    from coral_iac.cli.plan import spike_warnings
+    from solver.plan_schema import ModelAttainment
+
+    def row(spike: float) -> ModelAttainment:
+        return ModelAttainment(
+            model="phi-4",
+            target=0.9,
+            workload="w",
+            planned=0.95,
+            verified=0.95,
+            spike=spike,
+            spike_shed=0.13,
+        )
+
+    plan = make_plan(AGG).model_copy(update={"attainment": [row(0.835)]})
+    (line,) = spike_warnings(plan)
+    assert line.startswith("phi-4: at 1.5x its demand the gateway sheds 13.0% and the admitted")
+    assert "83.5%" in line and "target_utilization" in line
+    assert spike_warnings(plan.model_copy(update={"attainment": [row(0.9)]})) == []
