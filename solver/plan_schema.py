@@ -157,6 +157,12 @@ class ModelAttainment(BaseModel):
     spike_shed: float | None = Field(
         default=None, description="Share of that spike's requests the gateway sheds."
     )
+    slower: dict[str, float] = Field(
+        default_factory=dict,
+        description="Attainment of the admitted requests on the verification workload at the "
+        "demand if every engine step took longer than modelled, by factor ('1.2', '1.5'): how "
+        "much performance-model error the plan survives.",
+    )
     capped: int = Field(
         default=0,
         description="Held-out requests (of `verified_requests` plus those shed) whose lengths "

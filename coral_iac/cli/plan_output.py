@@ -85,7 +85,8 @@ def attainment_table(p: Any) -> FittedTable:
     """Per model: SLO attainment target, on the planning workload, and verified on requests
     the planner never saw at the whole demand behind the gateway's admission control (the
     admitted requests' share, with the margin the held-out sample cannot vouch for), the share
-    shed, and the same at 1.5x the demand (a spike). For a trace-backed model the verified
+    shed, and the same at 1.5x the demand (a spike); as if every engine step took 1.2x and 1.5x
+    as long as modelled (`slower steps`). For a trace-backed model the verified
     share is the lower of the trace's held-out windows and the whole trace
     (`ModelAttainment.judged`), both shown before it; the closed loop's headroom per phase."""
     table = FittedTable(title="SLO attainment (share of requests meeting both TTFT and TPOT SLOs)")
@@ -95,7 +96,9 @@ def attainment_table(p: Any) -> FittedTable:
     lost = ("one spot zone lost",) if spot else ()
     sheds = any(a.shed is not None for a in p.attainment)
     admitted = ("shed", "1.5x demand") if sheds else ()
-    cols = ("model / workload", "target", "planned", *evidence, "verified", *admitted, *lost)
+    slow = ("slower steps",) if any(a.slower for a in p.attainment) else ()
+    cols = ("model / workload", "target", "planned", *evidence, "verified", *admitted, *slow)
+    cols = (*cols, *lost)
     cols = (*cols, "headroom")
     for col in cols:
         table.add_column(col, justify="left" if col in (cols[0], "headroom") else "right")
@@ -126,6 +129,7 @@ def attainment_table(p: Any) -> FittedTable:
                 else (f"{held_out}{margin}\n{status}",)
             ),
             *((pct(a.shed), spike) if sheds else ()),
+            *(("\n".join(f"{k}x: {pct(v)}" for k, v in a.slower.items()) or "-",) if slow else ()),
             *((pct(a.under_preemption),) if spot else ()),
             "\n".join(f"{ph} {k:.2f}" for ph, k in a.headroom.items()) or "-",
         )

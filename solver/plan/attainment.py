@@ -24,7 +24,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,7 @@ from solver.serving.executors import map_in_processes
 from solver.serving.instance_model import InstanceModel
 from solver.serving.library import Library
 from solver.serving.serving_template import ServingTemplate
-from solver.simulation.admission import admission_limits
+from solver.simulation.admission import admission_limits, admit
 from solver.simulation.preemption import zone_losses
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
@@ -692,6 +692,8 @@ class Simulations:
 REPLAY_MAX_S = 4 * 3_600.0  # a whole trace at the model's demand, capped at four hours
 SPIKE_LOAD = 1.5  # every plan is also verified at this multiple of its demand (a traffic spike)
 HELD_OUT_BATCHES = 20
+# Every plan is also verified as if each engine step took this much longer than modelled.
+SLOWDOWNS = (1.2, 1.5)
 ZONE_LOSS_AT = 1 / 3  # where in the verification window a zone's spot instances are taken
 
 
@@ -722,6 +724,67 @@ def under_preemption(
         for m, r in result.models.items():
             worst[m] = min(worst.get(m, 1.0), r.admitted_attainment)
     return worst
+
+
+def under_slowdown(
+    plan: Plan,
+    scope: AttainmentScope,
+    perf: PerfModel,
+    duration_s: float,
+    root: Path | None,
+    factor: float,
+) -> dict[str, float]:
+    """Model -> its admitted requests' attainment on the verification workload at the demand,
+    behind the gateway, if every engine step (and KV hop) took `factor` x as long as modelled.
+
+    Exact by a change of clock: the simulator's times are step times and arrival times alone,
+    so slowing every step by `factor` stretches every latency by `factor` once the arrivals
+    are spaced `factor` x wider too. The gateway admits on the real clock; the admitted
+    requests are then simulated with their arrivals `factor` x closer and judged against the
+    SLOs over `factor`. Only the models with instances; {} when the plan has none."""
+    served = {i.model for i in plan.instances}
+    contexts = model_contexts(scope.models, perf.cards)
+    traces, duration_s = _traces(
+        scope.models, "verify", duration_s, plan, root, contexts, 1.0, scope.room
+    )
+    limits = admission_limits(plan, scope.models, root, scope.room)
+    fast: dict[str, Trace] = {}
+    for m, t in traces.items():
+        if m not in served:
+            continue
+        keep = admit(t.arrival_s, limits[m]) if m in limits else np.ones(len(t), dtype=bool)
+        fast[m] = Trace(t.arrival_s[keep] / factor, t.prompt[keep], t.output[keep], t.capped)
+    if not fast:
+        return {}
+    result = simulate(plan, scope.models, perf, fast, duration_s / factor)
+    return {
+        m: replace(
+            r, slo_ttft_ms=r.slo_ttft_ms / factor, slo_tpot_ms=r.slo_tpot_ms / factor
+        ).admitted_attainment
+        for m, r in result.models.items()
+    }
+
+
+def with_slowdowns(plan: Plan, scope: AttainmentScope, perf: PerfModel, root: Path | None) -> Plan:
+    """`plan` with each verified model's attainment if every step were SLOWDOWNS slower
+    (`under_slowdown`, `ModelAttainment.slower`). Run once on the plan a search keeps, not
+    on every plan compared: it changes no choice."""
+    minutes = scope.attainment.verify_minutes
+    if minutes <= 0 or not plan.attainment:
+        return plan
+    with timing.phase("verification"):
+        slower = {k: under_slowdown(plan, scope, perf, minutes * 60, root, k) for k in SLOWDOWNS}
+    rows = [
+        row.model_copy(
+            update={
+                "slower": {
+                    f"{k:g}": round(v[row.model], 4) for k, v in slower.items() if row.model in v
+                }
+            }
+        )
+        for row in plan.attainment
+    ]
+    return plan.model_copy(update={"attainment": rows})
 
 
 def verify_plan(

@@ -33,7 +33,7 @@ from solver.catalog.offers import Catalog, split_node_id
 from solver.errors import CoralError, InputError, StaleLibraryError
 from solver.io import digest
 from solver.performance.perf_model import PerfModel
-from solver.plan.attainment import Simulations, base_factors, plan_to_target
+from solver.plan.attainment import Simulations, base_factors, plan_to_target, with_slowdowns
 from solver.plan.demand import capacity_needed, stack_demand
 from solver.plan.length_routing import plan_routed
 from solver.plan.validator import validate_plan
@@ -217,7 +217,9 @@ def plan_from_solution(
             ),
             "demand": digest(sorted(demand.items())),
             # Spot settings count only when spot is on: other plans hash as before spot was.
-            "allocation": digest(fleet.allocation.model_dump(exclude=None if spot_on else {"spot"})),
+            "allocation": digest(
+                fleet.allocation.model_dump(exclude=None if spot_on else {"spot"})
+            ),
         },
         capacity_factors=used_factors,
     )
@@ -398,8 +400,9 @@ def plan_to_targets(
         # ends at a plan that serves less or meets fewer targets than not allowing it.
         searched = [*(_on_demand_twin(r) for r in searched), *searched]
     first, *rest = searched
+    scope = fleet.attainment_scope()
     if not rest:
-        return searches.run(method, first, on_round, on_solve)
+        return with_slowdowns(searches.run(method, first, on_round, on_solve), scope, perf, root)
     if workers > 1:
         found = _in_parallel(searches, first, rest, workers, on_round, on_solve)
     else:
@@ -409,7 +412,7 @@ def plan_to_targets(
             plan = searches.restricted(restriction, said, on_solve)
             if plan is not None:
                 found.append((_name(restriction), plan))
-    return best_at_target(found, priorities(fleet.models))
+    return with_slowdowns(best_at_target(found, priorities(fleet.models)), scope, perf, root)
 
 
 OnSolve = Callable[[Plan, dict[str, float]], None]
