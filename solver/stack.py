@@ -12,6 +12,7 @@ The `deploy` section of the same object belongs to the Pulumi program: the solve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -483,6 +484,15 @@ class AttainmentSettings(BaseModel):
         description="Simulated minutes of the verification, on a seed (or trace window) the "
         "planner never used; 0 skips it (the plan then has no verified attainment).",
     )
+    latency_margin: float = Field(
+        default=1.0,
+        ge=1.0,
+        le=3.0,
+        description="Plan to the attainment targets as if every engine step took this many "
+        "times as long as the performance model says: the closed loop and the verification "
+        "simulate at that slowdown, so the plan survives a model that optimistic. 1.0: the "
+        "model as it is.",
+    )
     accept_below_target: bool = Field(
         default=False,
         description="Let the Pulumi program deploy a plan whose verified attainment is below "
@@ -676,6 +686,20 @@ class FleetConfig(BaseModel):
         """
         name = library_mode(mode, "--mode").name
         return self.model_copy(update={"library": self.library.model_copy(update={"mode": name})})
+
+    def with_latency_margin(self, margin: float) -> FleetConfig:
+        """This fleet planned as if every engine step took `margin` x as long (`coral plan
+        --margin`).
+
+        Raises:
+            InputError: a margin outside 1 to 3.
+        """
+        if not (math.isfinite(margin) and 1.0 <= margin <= 3.0):
+            raise InputError(
+                "--margin", f"must be from 1 to 3, got {margin}", "e.g. --margin 1.2"
+            )
+        attainment = self.attainment.model_copy(update={"latency_margin": margin})
+        return self.model_copy(update={"attainment": attainment})
 
     def with_target_utilization(self, u: float | None) -> FleetConfig:
         """This fleet buying capacity for demand / u (None: unchanged), e.g. from an option."""

@@ -113,6 +113,15 @@ def plan(
         bool,
         typer.Option(help="Build into a --library folder that another stack's libraries own."),
     ] = False,
+    latency_margin: Annotated[
+        float | None,
+        typer.Option(
+            "--margin",
+            metavar="K",
+            help="Plan as if every engine step took K x as long as modelled, 1 to 3 (the "
+            "stack's attainment.latency_margin), e.g. to see what 1.2 costs.",
+        ),
+    ] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Machine-readable output.")] = False,
 ) -> None:
     """Solve the allocation for a stack and print (and optionally write) the plan."""
@@ -136,7 +145,7 @@ def plan(
         check_replaceable(out_file)
     with timed() as times:
         result, problems, admission, contexts = make_plan(
-            stack, baseline or "coral", previous, library, workers, add_only, force
+            stack, baseline or "coral", previous, library, workers, add_only, force, latency_margin
         )
     if (line := gap_warning(result)) is not None:
         warn(line)
@@ -228,12 +237,14 @@ def make_plan(
     workers: int,
     add_only: bool = False,
     force: bool = False,
+    latency_margin: float | None = None,
 ) -> tuple[Any, list[str], Admission, list[str]]:
     """Load the stack, its libraries and the running plan; solve; validate; return the plan,
     why the Pulumi program would refuse it (empty: it deploys), what its gateway admits and
     where requests are longer than the models serve (`context_warnings`).
 
-    `add_only` turns on coral:fleet.allocation.add_only (keep every running instance).
+    `add_only` turns on coral:fleet.allocation.add_only (keep every running instance);
+    `latency_margin` sets coral:fleet.attainment.latency_margin.
     """
     # Deferred to keep `coral` quick to start: httpx (through demand_sources) takes about
     # 35 ms to import, the performance model (scipy) and the planner (ortools) about a second.
@@ -254,6 +265,8 @@ def make_plan(
     if add_only:
         allocation = fleet.allocation.model_copy(update={"add_only": True})
         fleet = fleet.model_copy(update={"allocation": allocation})
+    if latency_margin is not None:
+        fleet = fleet.with_latency_margin(latency_margin)
     perf = load_perf_model(cards=fleet.model_cards)
     running = load_plan(previous) if previous is not None else None
     check_plan_stack(running, stack, previous)

@@ -54,6 +54,7 @@ def summarise(plan: Plan, seconds: float) -> dict[str, object]:
                 "shed": a.shed,
                 "spike": a.spike,
                 "spike_shed": a.spike_shed,
+                "slower": a.slower,
             }
             for a in plan.attainment
             if "@" not in a.model
@@ -77,17 +78,21 @@ def render_admission(results: dict[str, dict]) -> str:  # type: ignore[type-arg]
         "on its verification workload. `verified` is the admitted requests' share meeting both "
         "SLOs (for a trace, the lower of its held-out windows and the whole trace), with the "
         "one-sided 95% lower bound of the held-out estimate; `shed` the share answered 429; "
-        "`1.5x` the same at 1.5x the demand.",
+        "`1.5x` the same at 1.5x the demand; `steps 1.2x / 1.5x` the held-out share if every "
+        "engine step took 1.2x and 1.5x as long as modelled (`ModelAttainment.slower`).",
         "",
-        "| stack | model | served | target | verified (lower bound) | shed | 1.5x verified | 1.5x shed |",
-        "|---|---|---:|---:|---:|---:|---:|---:|",
+        "| stack | model | served | target | verified (lower bound) | shed | 1.5x verified | "
+        "1.5x shed | steps 1.2x / 1.5x |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for stack, row in sorted(results.items()):
         for model, a in sorted(row.get("admission", {}).items()):
+            slow = a.get("slower") or {}
             lines.append(
                 f"| {stack} | {model} | {pct(a['served'])} | {pct(a['target'])} | "
                 f"{pct(a['verified'])} ({pct(a['held_out_lower'])}) | {pct(a['shed'])} | "
-                f"{pct(a['spike'])} | {pct(a['spike_shed'])} |"
+                f"{pct(a['spike'])} | {pct(a['spike_shed'])} | "
+                f"{pct(slow.get('1.2'))} / {pct(slow.get('1.5'))} |"
             )
     return "\n".join(lines) + "\n"
 
@@ -140,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "bench" / "stack-costs")
     parser.add_argument("--before", type=Path, help="An earlier costs.json to compare with.")
     parser.add_argument("--stacks", nargs="*", help="Only these stacks (default: every one).")
+    parser.add_argument("--latency-margin", type=float,
+                        help="Plan every stack with `coral plan --margin` this factor.")  # fmt: skip
     parser.add_argument("--root", type=Path, default=ROOT,
                         help="The checkout whose stacks and code to plan with (default: this one).")  # fmt: skip
     args = parser.parse_args(argv)
@@ -148,11 +155,13 @@ def main(argv: list[str] | None = None) -> int:
     before = json.loads(args.before.read_text())["stacks"] if args.before else {}
     (args.out / "plans").mkdir(parents=True, exist_ok=True)
     results: dict[str, dict] = {}  # type: ignore[type-arg]
+    margin = ["--margin", str(args.latency_margin)] if args.latency_margin else []
     for i, stack in enumerate(stacks, 1):
         started = time.perf_counter()
         path = args.out / "plans" / f"{stack}.json"
         run = subprocess.run(  # noqa: S603 (our own CLI, fixed arguments)
-            [sys.executable, "-c", CLI, "plan", "--stack", stack, "--out", str(path.resolve())],
+            [sys.executable, "-c", CLI, "plan", "--stack", stack, "--out", str(path.resolve()),
+             *margin],
             cwd=root, capture_output=True, text=True, check=False,
         )  # fmt: skip
         seconds = time.perf_counter() - started
@@ -166,6 +175,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i}/{len(stacks)}] {stack}: {results[stack]['usd_per_hour']} $/h "
               f"({seconds:.0f} s)", flush=True)  # fmt: skip
     label = f" --before {args.before}" if args.before else ""
+    label += f" --latency-margin {args.latency_margin:g}" if args.latency_margin else ""
     write_atomic(
         args.out / "costs.json", (json.dumps({"stacks": results}, indent=1) + "\n").encode()
     )

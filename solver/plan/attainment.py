@@ -24,7 +24,7 @@ import hashlib
 import io
 import math
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,7 @@ from solver.serving.executors import map_in_processes
 from solver.serving.instance_model import InstanceModel
 from solver.serving.library import Library
 from solver.serving.serving_template import ServingTemplate
-from solver.simulation.admission import admission_limits, admit
+from solver.simulation.admission import admission_limits
 from solver.simulation.preemption import zone_losses
 from solver.simulation.results import ModelResult, SimResult
 from solver.simulation.simulator import simulate
@@ -455,7 +455,12 @@ class ClosedLoopRound:
         minutes = self.scope.attainment.planning_minutes
         with timing.phase("closed-loop simulation"):
             sims = self.sims.run(
-                plan, self.scope.models, "plan", minutes * 60, room=self.scope.room
+                plan,
+                self.scope.models,
+                "plan",
+                minutes * 60,
+                room=self.scope.room,
+                step_scale=self.scope.attainment.latency_margin,
             )
         planned = {m: float(r.met.mean()) if len(r.met) else 1.0 for m, r in sims.items()}
         if self.progress:
@@ -637,12 +642,15 @@ class Simulations:
         models: set[str] | None = None,
         offered: float | None = None,
         room: float = 1.0,
+        step_scale: float = 1.0,
     ) -> dict[str, ModelResult]:
         """`plan` simulated on its stack's `purpose` workload for at least `duration_s`
         (`simulate_workload`), per served model (of `models` when given), reusing results.
         With `offered`, at that multiple of each model's whole demand behind the gateway's
         admission control (`admission_limits`, with `room`), as the deployed fleet takes it;
-        without it, at `room` x the demand each model is served (the closed loop's load)."""
+        without it, at `room` x the demand each model is served (the closed loop's load).
+        `step_scale`: every engine step that many times as long as modelled (the stack's
+        `attainment.latency_margin`; `simulate`)."""
         contexts = model_contexts(specs, self.perf.cards)
         traces, duration_s = _traces(
             specs, purpose, duration_s, plan, self.root, contexts, offered, room
@@ -662,6 +670,7 @@ class Simulations:
                 plan.fraction_of(m),
                 offered,
                 room,
+                step_scale,
                 limits[m].count if m in limits else None,
                 limits[m].period_s if m in limits else None,
                 *sorted(t),
@@ -671,7 +680,9 @@ class Simulations:
         }
         todo = {m: traces[m] for m, k in keys.items() if k not in self._results}
         if todo:
-            fresh = simulate(plan, specs, self.perf, todo, duration_s, admission=limits).models
+            fresh = simulate(
+                plan, specs, self.perf, todo, duration_s, admission=limits, step_scale=step_scale
+            ).models
             self._results.update({keys[m]: r for m, r in fresh.items()})
         return {m: self._results[k] for m, k in keys.items()}
 
@@ -720,7 +731,8 @@ def under_preemption(
     span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)
     losses = zone_losses(plan.instances, span * ZONE_LOSS_AT, scope.boot_minutes * 60)
     for outages in losses.values():
-        result = simulate(plan, scope.models, perf, traces, duration_s, outages, limits)
+        margin = scope.attainment.latency_margin
+        result = simulate(plan, scope.models, perf, traces, duration_s, outages, limits, margin)
         for m, r in result.models.items():
             worst[m] = min(worst.get(m, 1.0), r.admitted_attainment)
     return worst
@@ -735,34 +747,21 @@ def under_slowdown(
     factor: float,
 ) -> dict[str, float]:
     """Model -> its admitted requests' attainment on the verification workload at the demand,
-    behind the gateway, if every engine step (and KV hop) took `factor` x as long as modelled.
-
-    Exact by a change of clock: the simulator's times are step times and arrival times alone,
-    so slowing every step by `factor` stretches every latency by `factor` once the arrivals
-    are spaced `factor` x wider too. The gateway admits on the real clock; the admitted
-    requests are then simulated with their arrivals `factor` x closer and judged against the
-    SLOs over `factor`. Only the models with instances; {} when the plan has none."""
+    behind the gateway, if every engine step (and KV transfer) took `factor` x as long as
+    modelled (`simulate(step_scale=...)`, exact by a change of clock). Only the models with
+    instances; {} when the plan has none."""
     served = {i.model for i in plan.instances}
     contexts = model_contexts(scope.models, perf.cards)
     traces, duration_s = _traces(
         scope.models, "verify", duration_s, plan, root, contexts, 1.0, scope.room
     )
-    limits = admission_limits(plan, scope.models, root, scope.room)
-    fast: dict[str, Trace] = {}
-    for m, t in traces.items():
-        if m not in served:
-            continue
-        keep = admit(t.arrival_s, limits[m]) if m in limits else np.ones(len(t), dtype=bool)
-        fast[m] = Trace(t.arrival_s[keep] / factor, t.prompt[keep], t.output[keep], t.capped)
-    if not fast:
+    traces = {m: t for m, t in traces.items() if m in served}
+    if not traces:
         return {}
-    result = simulate(plan, scope.models, perf, fast, duration_s / factor)
-    return {
-        m: replace(
-            r, slo_ttft_ms=r.slo_ttft_ms / factor, slo_tpot_ms=r.slo_tpot_ms / factor
-        ).admitted_attainment
-        for m, r in result.models.items()
-    }
+    limits = admission_limits(plan, scope.models, root, scope.room)
+    result = simulate(plan, scope.models, perf, traces, duration_s, admission=limits,
+                      step_scale=factor)  # fmt: skip
+    return {m: r.admitted_attainment for m, r in result.models.items()}
 
 
 def with_slowdowns(plan: Plan, scope: AttainmentScope, perf: PerfModel, root: Path | None) -> Plan:
@@ -811,25 +810,24 @@ def verify_plan(
             f"verifying the plan on {minutes:g} min of traffic it was not planned on"
             f"{whole_trace}{preempted}"
         )
+    margin = scope.attainment.latency_margin  # steps that many times slower than modelled
     with timing.phase("verification"):
         # At the whole demand, behind the gateway's admission control: a scarce plan's excess
         # is shed as the deployed gateway sheds it, not left out of the traffic.
         sim = (
-            sims.run(plan, scope.models, "verify", minutes * 60, offered=1.0, room=scope.room)
+            sims.run(plan, scope.models, "verify", minutes * 60, None, 1.0, scope.room, margin)
             if minutes > 0
             else {}
         )
         spike = (
             sims.run(
-                plan, scope.models, "verify", minutes * 60, offered=SPIKE_LOAD, room=scope.room
+                plan, scope.models, "verify", minutes * 60, None, SPIKE_LOAD, scope.room, margin
             )
             if minutes > 0
             else {}
         )
         whole = (
-            sims.run(
-                plan, scope.models, "replay", REPLAY_MAX_S, traced, offered=1.0, room=scope.room
-            )
+            sims.run(plan, scope.models, "replay", REPLAY_MAX_S, traced, 1.0, scope.room, margin)
             if minutes > 0 and traced
             else {}
         )

@@ -489,6 +489,7 @@ def simulate(
     duration_s: float,
     outages: Sequence[Outage] = (),
     admission: Mapping[str, AdmissionLimit] | None = None,
+    step_scale: float = 1.0,
 ) -> SimResult:
     """Simulate every model's trace on the plan's instances (`models`: the stack's model
     specs, by name). `outages`: spot preemptions to replay (`solver.simulation.preemption`;
@@ -497,9 +498,18 @@ def simulate(
     requests over its limit are shed (answered 429 at once) and only the admitted ones reach
     its instances; each result counts the shed ones (`ModelResult.shed`).
 
+    `step_scale`: every engine step and KV transfer takes this many times as long as the
+    performance model says. Simulated by a change of clock, exactly: the simulator's times are
+    step times and the arrival and outage times alone, so the admitted requests (admitted on
+    the real clock) and the outages run with their times divided by it, and every time of the
+    result is multiplied back.
+
     Raises:
         InputError: an outage of an instance the plan does not have.
     """
+    if step_scale != 1.0:
+        outages = [Outage(o.instance, o.down_s / step_scale, o.up_s / step_scale) for o in outages]
+        duration_s /= step_scale
     periods = serving_periods(outages)
     unknown = sorted(set(periods) - {i.key for i in plan.instances})
     if unknown:
@@ -512,6 +522,9 @@ def simulate(
     for model, offered in sorted(traces.items()):
         spec = models[model]
         trace, shed = _admitted(offered, (admission or {}).get(model))
+        admitted_s = trace.arrival_s
+        if step_scale != 1.0:
+            trace = Trace(trace.arrival_s / step_scale, trace.prompt, trace.output, trace.capped)
         by_phase: dict[str, list[InstanceModel]] = {}
         names: dict[str, list[str]] = {}
         shared: dict[str, InstanceModel] = {}  # replicas of one template time alike
@@ -606,19 +619,19 @@ def simulate(
                     finish[idx] = f
         results[model] = ModelResult(
             model,
-            trace.arrival_s,
-            first,
-            finish,
+            admitted_s,
+            first * step_scale,
+            finish * step_scale,
             trace.output,
             spec.slo_ms.prefill,
             spec.slo_ms.decode,
             peaks,
-            prefill_done,
+            prefill_done * step_scale if prefill_done is not None else None,
             int(retried.sum()),
             shed,
             offered.capped,
         )
-    return SimResult(duration_s, results)
+    return SimResult(duration_s * step_scale, results)
 
 
 def _admitted(trace: Trace, limit: AdmissionLimit | None) -> tuple[Trace, int]:

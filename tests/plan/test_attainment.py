@@ -610,3 +610,21 @@ def test_a_lower_target_utilization_buys_room_the_closed_loop_keeps(tmp_path, pe
     scope = load_stack(tmp_path / "0.67" / "stacks", "s").attainment_scope()
     spike = sims.run(plans[0.67], scope.models, "verify", 1_800, room=1.5)["phi-4"]
     assert float(spike.met.mean()) >= roomy.target
+
+
+def test_a_latency_margin_plans_to_the_target_with_every_step_that_much_slower(tmp_path, perf):
+    """dev at 2 requests/s: as modelled the plan meets its target, and would not if the model
+    were optimistic by a fifth; `attainment.latency_margin: 1.2` buys what holds it then."""
+    plans = {}
+    for margin in (1.0, 1.2):
+        root = project(tmp_path / str(margin), demand={"requests_per_s": 2})
+        doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
+        doc["config"]["coral:fleet"].setdefault("attainment", {})["latency_margin"] = margin
+        (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+        plans[margin] = plan_s(root, perf, tmp_path / "lib")
+    (modelled,), (margined,) = plans[1.0].attainment, plans[1.2].attainment
+    assert modelled.verified is not None and modelled.verified >= modelled.target
+    assert modelled.slower["1.2"] < modelled.target <= margined.slower["1.2"]
+    # Its verification runs at the margin's clock: the claim is the 1.2x-slower one.
+    assert margined.verified == margined.slower["1.2"]
+    assert plans[1.2].hourly_cost_usd > plans[1.0].hourly_cost_usd
