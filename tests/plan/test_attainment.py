@@ -587,6 +587,15 @@ def test_requests_longer_than_the_model_serves_are_capped_and_said(tmp_path, mon
     assert "context" not in r.output
 
 
+def dev_at_2_rps(root: Path, section: str, key: str, value: float) -> Path:
+    """The dev stack at 2 requests/s as project `s` in `root`, with `<section>.<key>` set."""
+    root = project(root, demand={"requests_per_s": 2})
+    doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
+    doc["config"]["coral:fleet"].setdefault(section, {})[key] = value
+    (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+    return root
+
+
 def test_a_lower_target_utilization_buys_room_the_closed_loop_keeps(tmp_path, perf):
     """Regression: the closed loop met the targets at the demand and gave back all the capacity
     `target_utilization` bought (dev at 2 requests/s: 3.72 $/h at 0.67 as at 1.0, meeting the
@@ -594,10 +603,7 @@ def test_a_lower_target_utilization_buys_room_the_closed_loop_keeps(tmp_path, pe
     demand / u, so the room stays and holds that spike."""
     plans = {}
     for u in (1.0, 0.67):
-        root = project(tmp_path / str(u), demand={"requests_per_s": 2})
-        doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
-        doc["config"]["coral:fleet"].setdefault("allocation", {})["target_utilization"] = u
-        (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+        root = dev_at_2_rps(tmp_path / str(u), "allocation", "target_utilization", u)
         assert load_stack(root / "stacks", "s").attainment_scope().room == pytest.approx(1 / u)
         plans[u] = plan_s(root, perf, tmp_path / "lib")
     (tight,), (roomy,) = plans[1.0].attainment, plans[0.67].attainment
@@ -617,10 +623,7 @@ def test_a_latency_margin_plans_to_the_target_with_every_step_that_much_slower(t
     were optimistic by a fifth; `attainment.latency_margin: 1.2` buys what holds it then."""
     plans = {}
     for margin in (1.0, 1.2):
-        root = project(tmp_path / str(margin), demand={"requests_per_s": 2})
-        doc = yaml.safe_load((root / "stacks" / "Pulumi.s.yaml").read_text())
-        doc["config"]["coral:fleet"].setdefault("attainment", {})["latency_margin"] = margin
-        (root / "stacks" / "Pulumi.s.yaml").write_text(yaml.safe_dump(doc))
+        root = dev_at_2_rps(tmp_path / str(margin), "attainment", "latency_margin", margin)
         plans[margin] = plan_s(root, perf, tmp_path / "lib")
     (modelled,), (margined,) = plans[1.0].attainment, plans[1.2].attainment
     assert modelled.verified is not None and modelled.verified >= modelled.target
