@@ -408,9 +408,11 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     calls: list[tuple[str, float]] = []
     real = attainment.simulate
 
-    def counting(plan_, models_, perf_, traces, duration_s, admission=None):
+    def counting(plan_, models_, perf_, traces, duration_s, admission=None, step_scale=1.0):
         calls.extend((m, duration_s) for m in traces)
-        return real(plan_, models_, perf_, traces, duration_s, admission=admission)
+        return real(
+            plan_, models_, perf_, traces, duration_s, admission=admission, step_scale=step_scale
+        )
 
     monkeypatch.setattr(attainment, "simulate", counting)
     sims = attainment.Simulations(perf, REPO)
@@ -428,6 +430,9 @@ def test_simulations_are_reused_only_for_the_same_workload_fraction_and_template
     assert sims.run(half, fleet.models, "verify", 1_800, offered=1.0)["phi-4"] is gated
     assert len(calls) == 5
     assert gated.shed > 0.4 * gated.offered  # half the demand admitted, the rest shed
+    # Slower steps (a latency margin) are another simulation too.
+    slowed = sims.run(half, fleet.models, "verify", 1_800, offered=1.0, step_scale=1.2)
+    assert len(calls) == 6 and slowed["phi-4"] is not gated
     contexts = model_contexts(fleet.models, perf.cards)
     traces, window = attainment._traces(fleet.models, "verify", 1_800, plan, REPO, contexts)
     fresh = real(plan, fleet.models, perf, traces, window)
