@@ -97,9 +97,8 @@ def attainment_table(p: Any) -> FittedTable:
     sheds = any(a.shed is not None for a in p.attainment)
     admitted = ("shed", "1.5x demand") if sheds else ()
     slow = ("slower steps",) if any(a.slower for a in p.attainment) else ()
-    cols = ("model / workload", "target", "planned", *evidence, "verified", *admitted, *slow)
-    cols = (*cols, *lost)
-    cols = (*cols, "headroom")
+    cols = ("model / workload", "target", "planned", *evidence, "verified", *admitted, *slow,
+            *lost, "headroom")  # fmt: skip
     for col in cols:
         table.add_column(col, justify="left" if col in (cols[0], "headroom") else "right")
 

@@ -730,54 +730,34 @@ def under_preemption(
     # A third into the requests: a trace's held-out window can end well before `duration_s`.
     span = max((float(t.arrival_s[-1]) for t in traces.values() if len(t)), default=duration_s)
     losses = zone_losses(plan.instances, span * ZONE_LOSS_AT, scope.boot_minutes * 60)
+    margin = scope.attainment.latency_margin
     for outages in losses.values():
-        margin = scope.attainment.latency_margin
         result = simulate(plan, scope.models, perf, traces, duration_s, outages, limits, margin)
         for m, r in result.models.items():
             worst[m] = min(worst.get(m, 1.0), r.admitted_attainment)
     return worst
 
 
-def under_slowdown(
-    plan: Plan,
-    scope: AttainmentScope,
-    perf: PerfModel,
-    duration_s: float,
-    root: Path | None,
-    factor: float,
-) -> dict[str, float]:
-    """Model -> its admitted requests' attainment on the verification workload at the demand,
-    behind the gateway, if every engine step (and KV transfer) took `factor` x as long as
-    modelled (`simulate(step_scale=...)`, exact by a change of clock). Only the models with
-    instances; {} when the plan has none."""
-    served = {i.model for i in plan.instances}
-    contexts = model_contexts(scope.models, perf.cards)
-    traces, duration_s = _traces(
-        scope.models, "verify", duration_s, plan, root, contexts, 1.0, scope.room
-    )
-    traces = {m: t for m, t in traces.items() if m in served}
-    if not traces:
-        return {}
-    limits = admission_limits(plan, scope.models, root, scope.room)
-    result = simulate(plan, scope.models, perf, traces, duration_s, admission=limits,
-                      step_scale=factor)  # fmt: skip
-    return {m: r.admitted_attainment for m, r in result.models.items()}
-
-
-def with_slowdowns(plan: Plan, scope: AttainmentScope, perf: PerfModel, root: Path | None) -> Plan:
-    """`plan` with each verified model's attainment if every step were SLOWDOWNS slower
-    (`under_slowdown`, `ModelAttainment.slower`). Run once on the plan a search keeps, not
-    on every plan compared: it changes no choice."""
+def with_slowdowns(plan: Plan, scope: AttainmentScope, sims: Simulations) -> Plan:
+    """`plan` with each verified model's attainment if every engine step took SLOWDOWNS x as
+    long as modelled (`ModelAttainment.slower`): the verification workload at the demand,
+    behind the gateway, at `simulate`'s `step_scale` (exact by a change of clock). Run once on
+    the plan `coral plan` keeps, not on every plan compared: it changes no choice."""
     minutes = scope.attainment.verify_minutes
     if minutes <= 0 or not plan.attainment:
         return plan
     with timing.phase("verification"):
-        slower = {k: under_slowdown(plan, scope, perf, minutes * 60, root, k) for k in SLOWDOWNS}
+        slower = {
+            f"{k:g}": sims.run(plan, scope.models, "verify", minutes * 60, None, 1.0, scope.room, k)
+            for k in SLOWDOWNS
+        }
     rows = [
         row.model_copy(
             update={
                 "slower": {
-                    f"{k:g}": round(v[row.model], 4) for k, v in slower.items() if row.model in v
+                    k: round(by_model[row.model].admitted_attainment, 4)
+                    for k, by_model in slower.items()
+                    if row.model in by_model
                 }
             }
         )

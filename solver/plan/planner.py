@@ -400,9 +400,8 @@ def plan_to_targets(
         # ends at a plan that serves less or meets fewer targets than not allowing it.
         searched = [*(_on_demand_twin(r) for r in searched), *searched]
     first, *rest = searched
-    scope = fleet.attainment_scope()
     if not rest:
-        return with_slowdowns(searches.run(method, first, on_round, on_solve), scope, perf, root)
+        return searches.run(method, first, on_round, on_solve)
     if workers > 1:
         found = _in_parallel(searches, first, rest, workers, on_round, on_solve)
     else:
@@ -412,7 +411,7 @@ def plan_to_targets(
             plan = searches.restricted(restriction, said, on_solve)
             if plan is not None:
                 found.append((_name(restriction), plan))
-    return with_slowdowns(best_at_target(found, priorities(fleet.models)), scope, perf, root)
+    return best_at_target(found, priorities(fleet.models))
 
 
 OnSolve = Callable[[Plan, dict[str, float]], None]
@@ -752,6 +751,7 @@ def plan_with_library(
         )
 
     plan, planned_fleet = plan_routed(fleet, plan_once, root, on_round, previous)
+    plan = with_slowdowns(plan, planned_fleet.attainment_scope(), sims)
     jobs = set(stack_demand(planned_fleet.models))
     library = {
         template_ref(m, ph, t.key): t

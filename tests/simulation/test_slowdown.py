@@ -1,5 +1,6 @@
-"""A plan's attainment if every engine step is slower than modelled (`under_slowdown`): computed
-by a change of clock, checked against slowing every step of the simulator itself."""
+"""A plan's attainment if every engine step is slower than modelled (`simulate`'s
+`step_scale`): computed by a change of clock, checked against slowing every step of the
+simulator itself."""
 
 from __future__ import annotations
 
@@ -7,12 +8,10 @@ import pytest
 
 from solver.performance.default_model import load_perf_model
 from solver.plan import attainment
-from solver.plan.attainment import under_slowdown
 from solver.serving.instance_model import InstanceModel
 from solver.simulation.admission import admission_limits
 from solver.simulation.simulator import simulate
 from solver.simulation.workload import model_contexts
-from solver.stack import AttainmentScope, AttainmentSettings
 from tests.simulation.test_admission import AGG, make_plan, spec
 
 
@@ -20,10 +19,14 @@ def test_slower_steps_by_a_change_of_clock_match_slowing_every_step(monkeypatch)
     perf = load_perf_model()
     plan = make_plan(AGG)  # three instances of 2 requests/s each
     models = {"phi-4": spec(5.0)}
-    scope = AttainmentScope(models, AttainmentSettings())
+    sims = attainment.Simulations(perf, None)
     k = 1.3
-    by_clock = under_slowdown(plan, scope, perf, 600.0, None, k)["phi-4"]
-    as_modelled = under_slowdown(plan, scope, perf, 600.0, None, 1.0)["phi-4"]
+
+    def behind_the_gateway(step_scale: float) -> float:
+        r = sims.run(plan, models, "verify", 600.0, offered=1.0, step_scale=step_scale)
+        return r["phi-4"].admitted_attainment
+
+    by_clock, as_modelled = behind_the_gateway(k), behind_the_gateway(1.0)
     # The same requests through the same gateway on the real clock, every engine step k x as
     # long as the model says.
     contexts = model_contexts(models, perf.cards)
