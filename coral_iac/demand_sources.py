@@ -86,9 +86,21 @@ def query_vector(
             or a sample that is not a finite number >= 0 (NaN, +Inf: named with its model).
     """
     url = settings.url.rstrip("/") + "/api/v1/query"
+    data = query_data(settings, promql, client)
+    return _vector(data, settings.model_label, f"Prometheus at {url}", promql)
+
+
+def query_data(settings: PrometheusSource, promql: str, client: httpx.Client | None = None) -> Any:
+    """One instant query's `data` (Prometheus's HTTP API answer, status checked).
+
+    Raises:
+        PrometheusUnreachable: no answer from the server (the message names the URL).
+        InputError: an HTTP error status or a Prometheus error, with the query.
+    """
+    url = settings.url.rstrip("/") + "/api/v1/query"
     if client is None:
         with httpx.Client(timeout=settings.timeout_s) as own:
-            return query_vector(settings, promql, own)
+            return query_data(settings, promql, own)
     try:
         response = client.get(url, params={"query": promql})
     except httpx.TransportError as e:
@@ -111,7 +123,7 @@ def query_vector(
             f"Prometheus at {url} answered HTTP {response.status_code} to `{promql}`: {reason}",
             "check the URL points at Prometheus itself (not Grafana) and the query's labels",
         )
-    return _vector(body.get("data"), settings.model_label, f"Prometheus at {url}", promql)
+    return body.get("data")
 
 
 def _vector(data: Any, label: str, source: str, promql: str) -> dict[str, float]:
@@ -216,7 +228,7 @@ def demand_report(
     if source.kind == "file":
         return _file_demand(fleet, path)
     assert source.prometheus is not None  # the schema requires it for kind prometheus
-    settings = _with_url(source.prometheus, prometheus_url)
+    settings = with_prometheus_url(source.prometheus, prometheus_url)
     try:
         return _rates_demand(fleet, measure_rates(settings, client), settings)
     except PrometheusUnreachable as e:
@@ -284,7 +296,7 @@ def _rates_demand(
 URL_ENV = "CORAL_PROMETHEUS_URL"
 
 
-def _with_url(settings: PrometheusSource, url: str | None) -> PrometheusSource:
+def with_prometheus_url(settings: PrometheusSource, url: str | None) -> PrometheusSource:
     """The settings with another Prometheus URL: `url` (e.g. --prometheus), else the
     CORAL_PROMETHEUS_URL environment variable (one override for the CLI and the program, e.g.
     from a CI runner inside the fleet's network), else the stack's."""
@@ -359,7 +371,7 @@ def refresh_file(
             f"stack {stack} has demand source '{fleet.demand_source.kind}', not prometheus",
             "only a prometheus source is refreshed; edit a file source by hand",
         )
-    settings = _with_url(settings, prometheus_url)
+    settings = with_prometheus_url(settings, prometheus_url)
     rates = measure_rates(settings, client)
     report = _rates_demand(fleet, rates, settings)
     url = mask_credentials(settings.url)  # the file may be committed: no password in it

@@ -515,7 +515,7 @@ def run(options: ProgramOptions | None = None) -> dict[str, Any]:
         fleet, deploy = read_stack_config(options.stacks_dir)
         fleet = resolve_demand(fleet, stack, options.stacks_dir, warn=pulumi.log.warn)
         previous, previous_state, images = previous_outputs(stack)
-        perf = load_perf_model(cards=fleet.model_cards)
+        perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
         # The plan knows nothing of the gateway: the allocation gets the budget less its $/hour.
         gateway_usd = gateway_cost(fleet.regions, deploy)
         allocation = allocation_after_gateway(fleet.allocation, gateway_usd)

@@ -29,7 +29,7 @@ def main(
 ) -> None:
     stacks = ROOT / "stacks"
     fleet = resolve_demand(load_stack(stacks, stack), stack, stacks, warn=lambda _: None)
-    perf = load_perf_model(cards=fleet.model_cards)
+    perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
     libs = libraries_for(
         perf, fleet, list(stack_demand(fleet.models)), ROOT / ".coral/library" / stack
     )

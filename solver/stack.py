@@ -12,6 +12,7 @@ The `deploy` section of the same object belongs to the Pulumi program: the solve
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -618,6 +619,35 @@ class PlanScope:
     market: MarketScope
 
 
+class StepCorrection(BaseModel):
+    """One measured step-time correction: the running fleet's steps of `model` on `gpu` took
+    `factor` x the performance model's time (`coral calibrate`, docs/calibration.md)."""
+
+    model_config = FROZEN
+    gpu: str = Field(description="GPU type (catalog id), e.g. l4.")
+    model: str = Field(description="A model of this stack.")
+    phase: Literal["prefill", "decode", "aggregated"] = Field(
+        description="The replicas' phase: prefill and decode scale those steps; aggregated "
+        "scales all the model's steps."
+    )
+    factor: float = Field(ge=0.2, le=5, description="Measured step time / modelled (0.2 to 5).")
+    low: float = Field(gt=0, description="95% interval, low end.")
+    high: float = Field(gt=0, description="95% interval, high end.")
+    requests: int = Field(ge=0, description="Finished requests the fit read.")
+    replicas: list[str] = Field(default_factory=list, description="The replicas it pooled.")
+    measured_utc: dt.datetime | None = Field(default=None, description="When (UTC).")
+
+
+class FleetCalibration(BaseModel):
+    """Step-time corrections measured on the running fleet, with where and when from."""
+
+    model_config = FROZEN
+    source: str = Field(description="What measured them, e.g. the Prometheus URL and query.")
+    window: str = Field(pattern=r"^[1-9][0-9]*(s|m|h|d|w)$", description="The window read.")
+    measured_utc: dt.datetime = Field(description="When (UTC).")
+    corrections: list[StepCorrection] = Field(default_factory=list)
+
+
 class FleetConfig(BaseModel):
     """The `coral:fleet` object of a stack."""
 
@@ -648,6 +678,17 @@ class FleetConfig(BaseModel):
     demand_source: DemandSource = Field(
         default_factory=DemandSource, description="Where demand comes from (docs/operations.md)."
     )
+    calibration: FleetCalibration | None = Field(
+        default=None,
+        description="Step-time corrections measured on the running fleet (`coral calibrate "
+        "--write`, docs/calibration.md); plans and engine settings use them.",
+    )
+
+    def step_corrections(self) -> dict[tuple[str, str, str], float]:
+        """(GPU type, model, phase) -> factor, for `load_perf_model(corrections=...)`."""
+        if self.calibration is None:
+            return {}
+        return {(c.gpu, c.model, c.phase): c.factor for c in self.calibration.corrections}
 
     def market_scope(self) -> MarketScope:
         """The part of this fleet the market stage reads."""
@@ -695,9 +736,7 @@ class FleetConfig(BaseModel):
             InputError: a margin outside 1 to 3.
         """
         if not (math.isfinite(margin) and 1.0 <= margin <= 3.0):
-            raise InputError(
-                "--margin", f"must be from 1 to 3, got {margin}", "e.g. --margin 1.2"
-            )
+            raise InputError("--margin", f"must be from 1 to 3, got {margin}", "e.g. --margin 1.2")
         attainment = self.attainment.model_copy(update={"latency_margin": margin})
         return self.model_copy(update={"attainment": attainment})
 
@@ -759,6 +798,12 @@ def check_lists(fleet: FleetConfig) -> None:
     for model in prom.model_floors if prom else {}:
         where = f"{FLEET_KEY}.demand_source.prometheus.model_floors.{model}"
         _declared(where, model, list(fleet.models), "models")
+    if fleet.calibration is not None:
+        for i, c in enumerate(fleet.calibration.corrections):
+            where = f"{FLEET_KEY}.calibration.corrections[{i}]"
+            _declared(f"{where}.model", c.model, list(fleet.models), "models")
+        _once("calibration.corrections", fleet.calibration.corrections,
+              lambda c: f"{c.gpu} {c.model} {c.phase}")  # fmt: skip
     _check_floors(fleet)
 
 

@@ -124,6 +124,11 @@ def check_fleet(fleet: FleetConfig, catalog: Catalog, cards: Mapping[str, ModelC
     """
     check_node_configs(fleet, catalog)
     check_gpu_pools(fleet, catalog)
+    for i, c in enumerate(fleet.calibration.corrections if fleet.calibration else []):
+        if c.gpu not in catalog.gpus:
+            raise unknown_value(
+                f"coral:fleet.calibration.corrections[{i}].gpu", c.gpu, catalog.gpus, "GPU type"
+            )
     scope = fleet.market_scope()
     market = build_market(scope, catalog)
     check_something_available(market, scope)  # also checks the regions

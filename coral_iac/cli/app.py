@@ -6,6 +6,7 @@ from __future__ import annotations
 import typer
 
 from coral_iac.cli.bench import register as register_bench_command
+from coral_iac.cli.calibrate import register as register_calibrate_command
 from coral_iac.cli.catalog import catalog_app
 from coral_iac.cli.demand import demand_app
 from coral_iac.cli.deploy import register as register_deploy_commands
@@ -27,6 +28,7 @@ app.add_typer(plan_app, name="plan")
 app.add_typer(demand_app, name="demand")
 register_deploy_commands(app)
 register_simulate_command(app)
+register_calibrate_command(app)
 register_bench_command(app)
 
 

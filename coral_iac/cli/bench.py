@@ -230,7 +230,9 @@ def bench(
         for name in stacks:
             for mode in modes or ["vllm", "general"]:
                 stack_fleet = resolve_demand(load_stack_named(name), name, stacks_dir(), warn)
-                perf = load_perf_model(cards=stack_fleet.model_cards)  # the stack's own models
+                perf = load_perf_model(
+                    cards=stack_fleet.model_cards, corrections=stack_fleet.step_corrections()
+                )  # the stack's own models
                 fleet = with_target(
                     with_traces(
                         stack_fleet.with_mode(mode).with_target_utilization(target_utilization),
@@ -743,7 +745,7 @@ def fig1a(
         )
     if phase not in ("prefill", "decode", "aggregated"):
         raise InputError("--phase", f"unknown phase '{phase}'", "use prefill, decode or aggregated")
-    perf = load_perf_model(cards=fleet.model_cards)
+    perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
     result = fig1a_job(perf, fleet, stack, model, cast(LibPhase, phase), workers)
     sys.stdout.write(json.dumps(result, indent=2) + "\n")
 
@@ -786,7 +788,7 @@ def spot(
     text = ""
     for k, name in enumerate(names, 1):
         fleet = resolve_demand(load_stack_named(name), name, stacks_dir(), warn)
-        perf = load_perf_model(cards=fleet.model_cards)
+        perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
         started = time.perf_counter()
         row = spot_bench.compare_stack(
             name, fleet, perf, library_root() / name, workers, _project(), _log

@@ -267,7 +267,7 @@ def make_plan(
         fleet = fleet.model_copy(update={"allocation": allocation})
     if latency_margin is not None:
         fleet = fleet.with_latency_margin(latency_margin)
-    perf = load_perf_model(cards=fleet.model_cards)
+    perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
     running = load_plan(previous) if previous is not None else None
     check_plan_stack(running, stack, previous)
     with progress_bar() as bar:

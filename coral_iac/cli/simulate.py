@@ -94,7 +94,7 @@ def simulate_cmd(
     fleet = resolve_demand(load_stack_named(stack), stack, stacks_dir(), warn=warn)
     plan = load_plan(plan_file)
     fleet = fleet_for_plan(fleet, plan)  # a routed model's length buckets
-    perf = load_perf_model(cards=fleet.model_cards)
+    perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
     contexts = model_contexts(fleet.models, perf.cards)
     if capacity:
         _capacity(plan, fleet, perf, duration or 600.0, as_json)
@@ -310,7 +310,7 @@ def epochs_cmd(
     if not factors or any(f < 0 for f in factors):
         raise InputError("--availability", f"need factors >= 0: {availability}", "e.g. 1,0.8,0.6")
     fleet = load_stack_named(stack).with_target_utilization(target_utilization)
-    perf = load_perf_model(cards=fleet.model_cards)
+    perf = load_perf_model(cards=fleet.model_cards, corrections=fleet.step_corrections())
     libs = libraries_for(
         perf, fleet, list(stack_demand(fleet.models)), library or library_root() / stack
     )

@@ -74,14 +74,12 @@ def templates_build(
     phases = phase or ["prefill", "decode"]
     for ph in phases:
         if ph not in LIB_PHASES:
-
             raise InputError(
                 "--phase", f"unknown phase '{ph}'", "use prefill, decode or aggregated"
             )
     if executor not in ("process", "ray"):
-
         raise InputError("--executor", f"unknown executor '{executor}'", "use process or ray")
-    pm = load_perf_model(measured, cards=fleet.model_cards)
+    pm = load_perf_model(measured, cards=fleet.model_cards, corrections=fleet.step_corrections())
     _, unsold = available_node_configs(fleet.market_scope(), pm.catalog)
     if unsold:
         err.print(

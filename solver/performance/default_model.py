@@ -23,6 +23,7 @@ def load_perf_model(
     settings: PerfSettings | None = None,
     runtime: str = DEFAULT_RUNTIME,
     cards: Mapping[ModelId, ModelCard] | None = None,
+    corrections: Mapping[tuple[str, str, str], float] | None = None,
 ) -> PerfModel:
     """The shipped catalog, model cards and calibration; measured tables win where present.
 
@@ -34,6 +35,8 @@ def load_perf_model(
         runtime: the serving runtime whose fixed costs apply: `vllm` (default; every plan,
             template and simulation) or `helix` (Helix's files; A100-40GB, L4 and T4 only).
         cards: a stack's own model cards (`FleetConfig.model_cards`), beside the shipped ones.
+        corrections: a stack's measured step-time corrections, (GPU type, model, phase) ->
+            factor (`FleetConfig.step_corrections()`, written by `coral calibrate --write`).
 
     Returns:
         The performance model.
@@ -54,4 +57,5 @@ def load_perf_model(
         settings=settings or PerfSettings(),
         measured=load_measured_dir(measured_dir) if measured_dir else MeasuredTables(),
         runtime=runtime,
+        corrections=dict(corrections or {}),
     )

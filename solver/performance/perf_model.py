@@ -10,7 +10,7 @@ node config delivers holding j layers while the stage meets the budget and the K
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 
 from solver.catalog.model_cards import ModelCard, ModelId, get_card
@@ -135,6 +135,9 @@ class PerfModel:
     settings: PerfSettings = field(default_factory=PerfSettings)
     measured: MeasuredTables = field(default_factory=MeasuredTables)
     runtime: str = DEFAULT_RUNTIME
+    # Step-time corrections measured on a running fleet (`coral calibrate`): (GPU type, model,
+    # phase) -> factor; `step_factor` says which applies to a step.
+    corrections: Mapping[tuple[str, str, str], float] = field(default_factory=dict)
     # ms per layer by (model, node, TP, phase, size, context): the profile table's binary
     # searches revisit the same sizes across layer counts, budgets and with or without a hop.
     _layer_memo: dict[tuple[str, str, int, str, float, float], float] = field(
@@ -188,6 +191,18 @@ class PerfModel:
         return min(
             (self._analytical(card, cfg, tp, phase, size, context) for tp in self._tps(card, cfg)),
             key=lambda lt: (lt.ms, lt.tp),
+        )
+
+    def step_factor(self, model: ModelId, node: str, phase: Phase) -> float:
+        """The measured correction of a step of `phase` (prefill: it carries prompt tokens;
+        decode: decodes alone) of `model` on `node`'s GPU type: the fleet's correction for that
+        phase, else for the model served aggregated (one factor for all its steps), else 1."""
+        if not self.corrections:
+            return 1.0
+        gpu = self.catalog.node(node).gpu_id
+        factor = self.corrections.get((gpu, model, phase))
+        return (
+            factor if factor is not None else self.corrections.get((gpu, model, "aggregated"), 1.0)
         )
 
     def _tps(self, card: ModelCard, cfg: NodeConfig) -> list[int]:
@@ -390,11 +405,12 @@ class PerfModel:
         `size` is the decode batch or prefill token count; `context` the decode context or the
         prompt length; `hop` whether the stage sends its activations to a next stage (every
         stage of a pipeline but the last). The profile table and the simulator both time stages
-        with this.
+        with this; a measured correction (`step_factor`) scales the whole stage.
         """
         card, cfg = self.card(model), self.catalog.node(node)
         layer = self._layer_ms(card, model, cfg, tp, phase, size, context)
-        return self.stage_of_layers_ms(model, node, phase, size, layers, hop, layer)
+        stage = self.stage_of_layers_ms(model, node, phase, size, layers, hop, layer)
+        return stage * self.step_factor(model, node, phase)
 
     def stage_of_layers_ms(
         self,

@@ -68,6 +68,7 @@ class InstanceModel:
         target: float = 0.9,
     ) -> None:
         self.perf, self.model = perf, template.model
+        self._factors: dict[tuple[str, str], float] = {}  # (node, phase) -> step_factor
         self.throughput = template.throughput
         card = perf.card(template.model)
         s_count = len(template.stages)
@@ -282,8 +283,16 @@ class InstanceModel:
                 attention += dec_lat + math.ceil(decode_seqs * share) * held * dec_ms
             if prefill_pairs:
                 attention += pre_lat + prefill_pairs * share * pre_ms
-            worst = max(worst, fixed + stage.layers * attention)
+            worst = max(worst, (fixed + stage.layers * attention) * self._factor(m.node, phase))
         return worst
+
+    def _factor(self, node: str, phase: Phase) -> float:
+        """The fleet's measured correction of this step on `node` (`PerfModel.step_factor`)."""
+        key = (node, phase)
+        factor = self._factors.get(key)
+        if factor is None:
+            factor = self._factors[key] = self.perf.step_factor(self.model, node, phase)
+        return factor
 
     def _prefill_pass_ms(self, i: int, tokens: int, pairs: float) -> float:
         """Stage i's time for one prefill pass of `tokens` tokens with `pairs` attention pairs

@@ -125,6 +125,9 @@ def input_hashes(
         # overheads `perf_model` records (`perf.runtime`: vllm or helix).
         "mode": digest(scope.library.mode),
     }
+    corrections = {f"{g}/{p}": k for (g, m, p), k in sorted(perf.corrections.items()) if m == model}
+    if corrections:  # keyed only when measured, so uncalibrated libraries keep their hashes
+        hashes["step_corrections"] = digest(corrections)
     if not scope.library.mixing:  # keyed only when off, so mixed libraries keep their hashes
         hashes["mixing"] = digest(False)
     if scope.library.strategy.coupled_decode(phase):  # the paper's coupled decode pipelines

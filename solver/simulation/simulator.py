@@ -19,7 +19,7 @@ What is modelled:
   attention at their context, the chunks' attention). KV is paged in 16-token blocks grown as a
   request runs; when none is free, the latest admitted request that is not in a step is
   preempted and later recomputed (never an earlier one, so the oldest always progresses).
-- **Disaggregated decode** (`_decode_pass`): decode advances every running sequence by one
+- **Disaggregated decode** (`decode_pass`): decode advances every running sequence by one
   token per round of S x max_s(stage time at the micro-batch size ceil(running / S)); requests
   are admitted while their full KV (prompt + output) fits and fewer than --max-num-seqs run.
 - **Disaggregation** (as vLLM's PD proxy runs it). The prefill instance runs with
@@ -91,7 +91,7 @@ def smooth_wrr(weights: list[float], n: int) -> np.ndarray:
     return np.resize(np.array(out, dtype=np.int64), n)
 
 
-def _decode_pass(
+def decode_pass(
     inst: InstanceModel, ready: np.ndarray, context: np.ndarray, tokens: np.ndarray
 ) -> tuple[np.ndarray, np.ndarray, int]:
     """Continuous-batching decode of `tokens` tokens per request, requests ready at `ready`
@@ -463,7 +463,7 @@ def _decode_runner(instances: list[InstanceModel], trace: Trace, hop_ms: float) 
         finish[order[has]] = math.inf
         peak = 0
         if has.any():
-            fst, fin, peak = _decode_pass(
+            fst, fin, peak = decode_pass(
                 inst, ready[order][has], (trace.prompt + trace.output)[idx][order][has], need[has]
             )
             first[order[has]], finish[order[has]] = fst, fin
@@ -607,7 +607,7 @@ def simulate(
                     has = (need[idx] > 0) & np.isfinite(ready[order])
                     f = np.where(has, np.inf, prefill_done[idx])
                     if has.any():
-                        fst, fin, peak = _decode_pass(
+                        fst, fin, peak = decode_pass(
                             dec_inst,
                             ready[order][has],
                             (trace.prompt + trace.output)[idx][has],
@@ -673,7 +673,7 @@ def capacity_check(
             finish = _prefill_only(inst, trace.arrival_s, trace.prompt)
             work = trace.prompt
         elif template.phase == "decode":
-            _, finish, _ = _decode_pass(
+            _, finish, _ = decode_pass(
                 inst, trace.arrival_s, trace.prompt + trace.output, trace.output
             )
             work = trace.output

@@ -337,11 +337,11 @@ def test_demand_file_tokens_for_an_aggregated_model_become_requests_per_s():
 
 
 def test_prometheus_url_override_from_option_then_environment(monkeypatch):
-    from coral_iac.demand_sources import URL_ENV, _with_url
+    from coral_iac.demand_sources import URL_ENV, with_prometheus_url
 
     settings = PrometheusSource(url="http://config:9090")
     monkeypatch.delenv(URL_ENV, raising=False)
-    assert _with_url(settings, None).url == "http://config:9090"
+    assert with_prometheus_url(settings, None).url == "http://config:9090"
     monkeypatch.setenv(URL_ENV, "http://env:9090")
-    assert _with_url(settings, None).url == "http://env:9090"
-    assert _with_url(settings, "http://option:9090").url == "http://option:9090"
+    assert with_prometheus_url(settings, None).url == "http://env:9090"
+    assert with_prometheus_url(settings, "http://option:9090").url == "http://option:9090"

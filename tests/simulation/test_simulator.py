@@ -13,7 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from solver.errors import InputError
-from solver.simulation.simulator import _decode_pass, engine_pass, simulate, smooth_wrr
+from solver.simulation.simulator import decode_pass, engine_pass, simulate, smooth_wrr
 from solver.simulation.traces import WorkloadShape, generate_trace, load_trace_csv
 from tests.allocation_helpers import SMALL_FLEET, fleet, libraries, perf
 
@@ -44,7 +44,7 @@ def test_decode_pass_by_hand():
     11 ms, done at 10 + 2 x 11 = 32 ms. At 35 ms B and C join: a round of 12 ms; B is done at
     47 ms, C alone then: 47 -> 58 -> 69 ms."""
     inst = FixedInstance()
-    first, finish, peak = _decode_pass(
+    first, finish, peak = decode_pass(
         inst, np.array([0.010, 0.035, 0.035]), np.array([102, 201, 103]), np.array([2, 1, 3])
     )
     assert first == pytest.approx([0.021, 0.047, 0.047])
@@ -131,7 +131,7 @@ def test_decode_invariants(reqs, capacity, max_running):
     ready = np.array([r[0] for r in reqs])
     context = np.array([r[1] + r[2] for r in reqs])
     tokens = np.array([r[2] for r in reqs])
-    first, finish, peak = _decode_pass(inst, ready, context, tokens)
+    first, finish, peak = decode_pass(inst, ready, context, tokens)
     fits = context <= capacity
     assert np.all(np.isfinite(finish[fits]))
     assert np.all(first[fits] > ready[fits]) and np.all(finish[fits] >= first[fits])

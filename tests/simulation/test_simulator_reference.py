@@ -15,7 +15,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from solver.simulation.simulator import _decode_pass, smooth_wrr
+from solver.simulation.simulator import decode_pass, smooth_wrr
 
 
 @dataclass
@@ -149,7 +149,7 @@ def arrays(reqs: list[tuple[float, int, int]]) -> tuple[np.ndarray, np.ndarray, 
 def test_decode_pass_is_the_reference_bit_for_bit(reqs, inst):
     ready, prompt, output = arrays(reqs)
     context = prompt + output
-    first, finish, peak = _decode_pass(inst, ready, context, output)
+    first, finish, peak = decode_pass(inst, ready, context, output)
     ref_first, ref_finish, ref_peak = ref_decode(inst, ready, context, output)
     assert same(first, ref_first) and same(finish, ref_finish) and peak == ref_peak
 
