@@ -43,7 +43,7 @@ from solver.performance.perf_model import PerfModel
 from solver.plan_schema import Plan, template_ref
 from solver.serving.instance_model import InstanceModel
 from solver.simulation.simulator import decode_pass, engine_pass
-from solver.simulation.traces import WorkloadShape, generate_trace
+from solver.simulation.traces import cap_lengths
 from solver.stack import ModelSpec
 
 MIN_REQUESTS = 50  # finished requests a replica needs in the window to be fitted at all
@@ -175,8 +175,25 @@ class Replay:
     outputs: np.ndarray
 
 
+def sample_lengths(h: Histogram, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n whole-token lengths drawn from a length histogram itself: a bucket by its share of
+    the count, a length log-uniform within it (the +Inf bucket at its lower bound), all scaled
+    so that their mean is the histogram's (its sum over its count: exact)."""
+    counts = h.counts()
+    upper = np.array(h.upper)
+    lower = np.concatenate(([1.0], np.maximum(1.0, upper[:-1])))
+    top = np.where(np.isinf(upper), lower, np.maximum(upper, lower))
+    b = rng.choice(len(counts), size=n, p=counts / counts.sum())
+    u = rng.random(n)
+    x = np.exp(np.log(lower[b]) + u * (np.log(top[b]) - np.log(lower[b])))
+    x *= h.mean / float(np.mean(x))
+    return np.maximum(1, np.rint(x)).astype(np.int64)
+
+
 def replay_of(metrics: ReplicaMetrics, phase: str, max_context: int | None) -> Replay:
-    """The load to replay: the measured rate and length distributions (`fit_lengths`)."""
+    """The load to replay: Poisson arrivals at the measured rate, lengths drawn from the
+    measured token histograms (`sample_lengths`; `fit_lengths` says what lognormal they
+    resemble, for the report)."""
     assert metrics.prompt_tokens is not None and metrics.generation_tokens is not None
     rate = metrics.requests / metrics.window_s
     prompt = fit_lengths(metrics.prompt_tokens)
@@ -184,10 +201,16 @@ def replay_of(metrics: ReplicaMetrics, phase: str, max_context: int | None) -> R
     # The window's own count where it can (an overloaded replica's queue grows with time), at
     # least REPLAY_MIN for steady quantiles, at most REPLAY_MAX for the time a replay takes.
     n = min(REPLAY_MAX, max(REPLAY_MIN, int(metrics.requests)))
-    shape = WorkloadShape(1.0, prompt.sigma, output.sigma)
-    trace = generate_trace(rate, n / rate, prompt.mean, output.mean, seed=SEED,
-                           max_context=max_context, shape=shape)  # fmt: skip
-    return Replay(rate, prompt, output, trace.arrival_s, trace.prompt, trace.output)
+    rng = np.random.default_rng(SEED)
+    arrival = np.cumsum(rng.exponential(1.0 / rate, n))
+    prompts = sample_lengths(metrics.prompt_tokens, n, rng)
+    outputs = (
+        np.ones(n, dtype=np.int64)
+        if phase == "prefill"
+        else sample_lengths(metrics.generation_tokens, n, rng)
+    )
+    prompts, outputs, _ = cap_lengths(prompts, outputs, max_context)
+    return Replay(rate, prompt, output, arrival, prompts, outputs)
 
 
 class ScaledSteps:

@@ -11,6 +11,7 @@ with the `coral_replica` label a scrape adds.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from unittest import mock
 
 import numpy as np
@@ -58,9 +59,13 @@ def record(
     slowdown: float,
     max_context: int,
     seed: int = 1,
+    noise: float = 0.0,
+    label: Callable[[str], str] = str,
 ) -> str:
     """The exposition of `facts`' replicas serving `seconds` at `rates` (replica -> requests/s)
-    with every step `slowdown` x its modelled time."""
+    with every step `slowdown` x its modelled time; `noise` > 0 multiplies each request's
+    latencies by its own lognormal factor of that sigma (what no step factor explains).
+    `label`: the replica label's value of an instance key (a GCP node's is `gcp_label`'s)."""
     registry = CollectorRegistry()
     labels = ["model_name", "engine", "coral_replica"]
     tokens = token_buckets(max_context)
@@ -79,8 +84,11 @@ def record(
         with slowed(slowdown):
             first, per_token = predict(f.instance, f.phase, load, 1.0, 1.0)
         outputs = np.ones_like(load.outputs) if f.phase == "prefill" else load.outputs
+        if noise:
+            jitter = np.random.default_rng(seed + 100 + i).lognormal(0.0, noise, len(first))
+            first, per_token = first * jitter, per_token * jitter
         done = np.isfinite(first) & np.isfinite(per_token)
-        values = (f.model, "0", f.replica)
+        values = (f.model, "0", label(f.replica))
         for h, xs in ((ttft, first), (tpot, per_token), (prompt, load.prompts),
                       (generation, outputs)):  # fmt: skip
             child = h.labels(*values)
