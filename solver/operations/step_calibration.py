@@ -187,7 +187,7 @@ def sample_lengths(h: Histogram, n: int, rng: np.random.Generator) -> np.ndarray
     u = rng.random(n)
     x = np.exp(np.log(lower[b]) + u * (np.log(top[b]) - np.log(lower[b])))
     x *= h.mean / float(np.mean(x))
-    return np.maximum(1, np.rint(x)).astype(np.int64)
+    return np.asarray(np.maximum(1, np.rint(x)), dtype=np.int64)
 
 
 def replay_of(metrics: ReplicaMetrics, phase: str, max_context: int | None) -> Replay:
