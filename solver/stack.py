@@ -621,7 +621,7 @@ class PlanScope:
 
 class StepCorrection(BaseModel):
     """One measured step-time correction: the running fleet's steps of `model` on `gpu` took
-    `factor` x the performance model's time (`coral calibrate`, docs/calibration.md)."""
+    `factor` x the performance model's time (`coral calibrate`, docs/fleet-calibration.md)."""
 
     model_config = FROZEN
     gpu: str = Field(description="GPU type (catalog id), e.g. l4.")
@@ -681,7 +681,7 @@ class FleetConfig(BaseModel):
     calibration: FleetCalibration | None = Field(
         default=None,
         description="Step-time corrections measured on the running fleet (`coral calibrate "
-        "--write`, docs/calibration.md); plans and engine settings use them.",
+        "--write`, docs/fleet-calibration.md); plans and engine settings use them.",
     )
 
     def step_corrections(self) -> dict[tuple[str, str, str], float]:
