@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 
 from coral_iac.project import confined, project_root
 from solver.catalog.offers import load_catalog
@@ -37,10 +38,13 @@ from solver.operations.demand_rules import (
     rates_demand,
     with_floors,
 )
+from solver.operations.step_calibration import Histogram, fit_lengths
 from solver.stack import (
+    MAX_MEAN_TOKENS,
     MAX_TOKENS_PER_S,
     Demand,
     FleetConfig,
+    MeasuredLengths,
     PhaseTokens,
     PrometheusSource,
     demand_bound_problem,
@@ -193,17 +197,113 @@ def _json(response: httpx.Response) -> dict[str, Any]:
 
 
 def measure_rates(settings: PrometheusSource, client: httpx.Client | None = None) -> MeasuredRates:
-    """Prompt and generated tokens/s per model over the window (see `solver.operations.demand_rules.rate_query`)."""
+    """Prompt and generated tokens/s per model over the window (see `solver.operations.demand_rules.rate_query`),
+    and the lengths served (`measure_lengths`)."""
     if client is None:
         with httpx.Client(timeout=settings.timeout_s) as own:
             return measure_rates(settings, own)
     prompt_q = rate_query(PROMPT_METRIC, settings, skip_phase="decode")
     generation_q = rate_query(GENERATION_METRIC, settings, skip_phase="prefill")
+    lengths, length_queries = measure_lengths(settings, client)
     return MeasuredRates(
         prompt_tokens_per_s=query_vector(settings, prompt_q, client),
         generation_tokens_per_s=query_vector(settings, generation_q, client),
-        queries=[prompt_q, generation_q],
+        queries=[prompt_q, generation_q, *length_queries],
+        lengths=lengths,
     )
+
+
+# vLLM's per-request token histograms, and the phase whose nodes repeat them (a decode node of a
+# disaggregated pair counts every prompt again, a prefill node one generated token each).
+LENGTH_HISTOGRAMS = (
+    ("prompt", "vllm:request_prompt_tokens", "decode"),
+    ("output", "vllm:request_generation_tokens", "prefill"),
+)
+MIN_LENGTH_REQUESTS = 50  # finished requests a model needs for its lengths to be measured
+
+
+def measure_lengths(
+    settings: PrometheusSource, client: httpx.Client
+) -> tuple[dict[str, MeasuredLengths], list[str]]:
+    """Per model, the lengths its fleet served over the window: the means of vLLM's prompt and
+    generation token histograms (their sums over their counts) and the sigma of the lognormal
+    that makes their buckets most likely (`fit_lengths`); a model with fewer than
+    MIN_LENGTH_REQUESTS requests, or without the histograms (an older vLLM), gets none.
+    Returns them and the queries asked."""
+    label, window = settings.model_label, settings.window
+    hists: dict[str, dict[str, Histogram]] = {}
+    queries: list[str] = []
+    for name, metric, skip in LENGTH_HISTOGRAMS:
+        selector = f'{{{settings.phase_label}!="{skip}"}}'
+        buckets_q = f"sum by ({label}, le) (increase({metric}_bucket{selector}[{window}]))"
+        sum_q = f"sum by ({label}) (increase({metric}_sum{selector}[{window}]))"
+        queries += [buckets_q, sum_q]
+        buckets: dict[str, dict[float, float]] = {}
+        for labels, value in vector_samples(query_data(settings, buckets_q, client), buckets_q):
+            model, le = labels.get(label), labels.get("le")
+            if model is None or le is None:
+                continue
+            bound = math.inf if le == "+Inf" else float(le)
+            per = buckets.setdefault(model, {})
+            per[bound] = per.get(bound, 0.0) + value
+        sums: dict[str, float] = {}
+        for labels, value in vector_samples(query_data(settings, sum_q, client), sum_q):
+            if (model := labels.get(label)) is not None:
+                sums[model] = sums.get(model, 0.0) + value
+        for model, per in buckets.items():
+            upper = sorted(per)
+            cumulative = np.maximum.accumulate([per[b] for b in upper])
+            hists.setdefault(model, {})[name] = Histogram(
+                tuple(upper), tuple(cumulative.tolist()), sums.get(model, 0.0)
+            )
+    url = mask_credentials(settings.url)
+    out = {}
+    for model, h in sorted(hists.items()):
+        prompt, output = h.get("prompt"), h.get("output")
+        if prompt is None or output is None or min(prompt.count, output.count) < MIN_LENGTH_REQUESTS:
+            continue
+        p, o = fit_lengths(prompt), fit_lengths(output)
+        if not all(math.isfinite(x) and x >= 1 for x in (p.mean, o.mean)):
+            continue
+        out[model] = MeasuredLengths(
+            mean_prompt_tokens=round(min(p.mean, MAX_MEAN_TOKENS)),
+            mean_output_tokens=round(min(o.mean, MAX_MEAN_TOKENS)),
+            prompt_sigma=round(p.sigma, 2),
+            output_sigma=round(o.sigma, 2),
+            requests=int(round(output.count)),
+            source=f"Prometheus {url}: vLLM's token histograms over {window}",
+        )
+    return out, queries
+
+
+def vector_samples(data: Any, promql: str) -> list[tuple[dict[str, str], float]]:
+    """An instant vector's (labels, value) samples.
+
+    Raises:
+        InputError: not a vector, or a value that is not a finite number >= 0.
+    """
+    result = data.get("result") if isinstance(data, dict) else None
+    if (
+        not isinstance(data, dict)
+        or data.get("resultType") != "vector"
+        or not isinstance(result, list)
+    ):
+        raise InputError(URL_FIELD, f"expected a vector from `{promql}`, got {data!r:.200}",
+                         "check the URL points at Prometheus's HTTP API")  # fmt: skip
+    out = []
+    for sample in result:
+        metric = sample.get("metric") if isinstance(sample, dict) else None
+        value = sample.get("value") if isinstance(sample, dict) else None
+        try:
+            number = float(value[1]) if isinstance(value, list) and len(value) == 2 else math.nan
+        except (TypeError, ValueError):
+            number = math.nan
+        if not isinstance(metric, dict) or not math.isfinite(number) or number < 0:
+            raise InputError(URL_FIELD, f"`{promql}` answered a sample that is not "
+                             f"{{metric: {{...}}, value: [time, \"number >= 0\"]}}: {sample!r:.200}",
+                             "check the series in Prometheus")  # fmt: skip
+        out.append(({str(k): str(v) for k, v in metric.items()}, number))
+    return out
 
 
 def demand_report(
@@ -381,12 +481,16 @@ def refresh_file(
         f"x headroom {settings.headroom:g}, floors applied",
         retrieved_utc=when,
         demand={m.model: m.demand for m in report.models},
+        lengths=report.lengths,
     )
     header = [
         f"Demand for stack {stack}, written by `coral demand refresh` at "
         f"{when.strftime('%Y-%m-%dT%H:%M:%SZ')}.",
         f"Source: Prometheus {url}, window {settings.window}, headroom {settings.headroom:g}.",
         *(f"Query: {q}" for q in rates.queries),
+        f"Lengths measured for {len(report.lengths)} of {len(fleet.models)} models "
+        f"({', '.join(sorted(report.lengths)) or 'none'}): the planner draws their requests "
+        "from them in place of the workload's named shape.",
         *(f"{m.model}: {m.origin}" for m in report.models if m.origin != "prometheus"),
     ]
     return doc, header, report

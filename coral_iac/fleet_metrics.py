@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any
 
 import httpx
 import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from coral_iac.components import gcp_label
-from coral_iac.demand_sources import URL_FIELD, query_data
+from coral_iac.demand_sources import URL_FIELD, query_data, vector_samples
 from solver.errors import InputError
 from solver.operations.step_calibration import Histogram, ReplicaMetrics
 from solver.stack import PrometheusSource
@@ -86,7 +85,7 @@ def read_replica_metrics(
         buckets_q, sum_q = histogram_queries(metric, replica_label, window)
         queries += [buckets_q, sum_q]
         buckets: dict[str, dict[float, float]] = {}
-        for labels, value in _samples(query_data(settings, buckets_q, client), buckets_q):
+        for labels, value in vector_samples(query_data(settings, buckets_q, client), buckets_q):
             replica = by_label.get(labels.get(replica_label, ""))
             if replica is None:
                 continue
@@ -98,7 +97,7 @@ def read_replica_metrics(
             per = buckets.setdefault(replica, {})
             per[bound] = per.get(bound, 0.0) + value
         sums: dict[str, float] = {}
-        for labels, value in _samples(query_data(settings, sum_q, client), sum_q):
+        for labels, value in vector_samples(query_data(settings, sum_q, client), sum_q):
             replica = by_label.get(labels.get(replica_label, ""))
             if replica is not None:
                 sums[replica] = sums.get(replica, 0.0) + value
@@ -130,34 +129,6 @@ def _label_values(replicas: Iterable[str]) -> dict[str, str]:
     for key in replicas:
         out[key] = key
         out.setdefault(gcp_label(key), key)
-    return out
-
-
-def _samples(data: Any, promql: str) -> list[tuple[dict[str, str], float]]:
-    """An instant vector's (labels, value) samples.
-
-    Raises:
-        InputError: not a vector, or a value that is not a finite number >= 0.
-    """
-    result = data.get("result") if isinstance(data, dict) else None
-    if not isinstance(data, dict) or data.get("resultType") != "vector" or not isinstance(
-        result, list
-    ):
-        raise InputError(URL_FIELD, f"expected a vector from `{promql}`, got {data!r:.200}",
-                         "check the URL points at Prometheus's HTTP API")  # fmt: skip
-    out = []
-    for sample in result:
-        metric = sample.get("metric") if isinstance(sample, dict) else None
-        value = sample.get("value") if isinstance(sample, dict) else None
-        try:
-            number = float(value[1]) if isinstance(value, list) and len(value) == 2 else math.nan
-        except (TypeError, ValueError):
-            number = math.nan
-        if not isinstance(metric, dict) or not math.isfinite(number) or number < 0:
-            raise InputError(URL_FIELD, f"`{promql}` answered a sample that is not "
-                             f"{{metric: {{...}}, value: [time, \"number >= 0\"]}}: {sample!r:.200}",
-                             "check the series in Prometheus")  # fmt: skip
-        out.append(({str(k): str(v) for k, v in metric.items()}, number))
     return out
 
 

@@ -140,6 +140,21 @@ class LengthSlice(BaseModel):
     base_output_tokens: float = Field(gt=0, description="The whole model's mean output length.")
 
 
+class MeasuredLengths(BaseModel):
+    """A model's request lengths as its fleet served them (`coral demand refresh` from vLLM's
+    prompt and generation token histograms): the means exactly, and the sigma of the lognormal
+    that makes the histograms' buckets most likely. Generated requests are drawn from it in
+    place of the named `workload` shape."""
+
+    model_config = FROZEN
+    mean_prompt_tokens: float = Field(gt=0, le=MAX_MEAN_TOKENS)
+    mean_output_tokens: float = Field(gt=0, le=MAX_MEAN_TOKENS)
+    prompt_sigma: float = Field(ge=0, le=3)
+    output_sigma: float = Field(ge=0, le=3)
+    requests: int = Field(ge=0, description="Finished requests the histograms held.")
+    source: str = Field(min_length=1, description="What measured them, and when.")
+
+
 class ModelSpec(BaseModel):
     """One served model: its SLOs, the mean request shape of its workload, and its demand."""
 
@@ -188,6 +203,12 @@ class ModelSpec(BaseModel):
     )
     length_slice: LengthSlice | None = Field(
         default=None, description="Set by the planner on a length bucket; not for stack files."
+    )
+    measured_lengths: MeasuredLengths | None = Field(
+        default=None,
+        description="Set from the demand source (a refreshed demand file or Prometheus): the "
+        "lengths the fleet served, in place of the means above and the workload's shape; not "
+        "for stack files.",
     )
 
     @model_validator(mode="after")

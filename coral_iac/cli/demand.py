@@ -45,6 +45,20 @@ def _row(spec: Any, model: str, demand: Any) -> dict[str, Any]:
     }
 
 
+def _lengths(report: Any, model: str) -> dict[str, Any] | None:
+    measured = report.lengths.get(model)
+    return None if measured is None else measured.model_dump(mode="json")
+
+
+def _lengths_text(lengths: dict[str, Any] | None) -> str:
+    if lengths is None:
+        return "config"
+    return (
+        f"measured: prompt {lengths['mean_prompt_tokens']:g} (sigma {lengths['prompt_sigma']:g}), "
+        f"output {lengths['mean_output_tokens']:g} (sigma {lengths['output_sigma']:g})"
+    )
+
+
 @demand_app.command("show")
 @reports_errors
 def show(
@@ -60,7 +74,8 @@ def show(
     fleet = load_stack_named(stack)
     report = demand_report(fleet, stack, stacks_dir(), prometheus)
     rows = [
-        _row(fleet.models[m.model], m.model, m.demand) | {"origin": m.origin, "detail": m.detail}
+        _row(fleet.models[m.model], m.model, m.demand)
+        | {"origin": m.origin, "detail": m.detail, "lengths": _lengths(report, m.model)}
         for m in report.models
     ]
     if as_json:
@@ -75,7 +90,8 @@ def show(
         )
         return
     table = FittedTable(title=f"Demand of stack {stack} (source: {report.kind})")
-    for col in ("model", "prefill tok/s", "decode tok/s", "requests/s", "origin", "detail"):
+    for col in ("model", "prefill tok/s", "decode tok/s", "requests/s", "origin", "detail",
+                "lengths"):  # fmt: skip
         table.add_column(col, justify="right" if "/s" in col else "left", overflow="fold")
     for r in rows:
         ph = r["phase_demand"]
@@ -84,6 +100,7 @@ def show(
             *(f"{ph[p]:,.1f}" if p in ph else "-" for p in ("prefill", "decode", "aggregated")),
             r["origin"],
             r["detail"],
+            _lengths_text(r["lengths"]),
         )
     out.print(table)
     for line in report.warnings:

@@ -10,6 +10,9 @@ does no network I/O. The demand file format (`stacks/demand/<stack>.yaml`):
     retrieved_utc: 2026-11-29T12:00:00Z             # optional
     demand:
       <model>: {requests_per_s: N}  or  {tokens_per_s: {prefill: N, decode: N}}
+    lengths:                                        # optional: written by `coral demand refresh`
+      <model>: {mean_prompt_tokens: N, mean_output_tokens: N, prompt_sigma: S, output_sigma: S,
+                requests: N, source: ...}
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from pydantic import BaseModel, Field
 
 from solver.errors import InputError
 from solver.io import load_yaml_model
-from solver.stack import Demand, ModelSpec, PhaseTokens, PrometheusSource
+from solver.stack import Demand, MeasuredLengths, ModelSpec, PhaseTokens, PrometheusSource
 from solver.types import FROZEN, LibPhase
 
 PROMPT_METRIC = "vllm:prompt_tokens_total"
@@ -37,6 +40,9 @@ class DemandFile(BaseModel):
     source: str = Field(min_length=1, description="Where the figures come from, and when.")
     retrieved_utc: dt.datetime | None = Field(default=None, description="When measured (UTC).")
     demand: dict[str, Demand] = Field(min_length=1, description="Model -> its demand.")
+    lengths: dict[str, MeasuredLengths] = Field(
+        default_factory=dict, description="Model -> the lengths its fleet served."
+    )
 
 
 class ModelDemand(BaseModel):
@@ -59,15 +65,25 @@ class DemandReport(BaseModel):
     unknown_models: list[str] = Field(
         default_factory=list, description="Models the source has and the stack does not serve."
     )
+    lengths: dict[str, MeasuredLengths] = Field(
+        default_factory=dict, description="Model -> the lengths its fleet served (measured)."
+    )
 
     def apply(self, specs: Mapping[str, ModelSpec]) -> dict[str, ModelSpec]:
         """The stack's models (`specs`, by name) with each one's demand replaced by this
-        report's figure."""
+        report's figure, and its mean lengths and their spread by the measured ones."""
         given = {m.model: m.demand for m in self.models}
-        return {
-            name: spec.model_copy(update={"demand": given.get(name, spec.demand)})
-            for name, spec in specs.items()
-        }
+        out = {}
+        for name, spec in specs.items():
+            update: dict[str, object] = {"demand": given.get(name, spec.demand)}
+            if (lengths := self.lengths.get(name)) is not None:
+                update |= {
+                    "mean_prompt_tokens": lengths.mean_prompt_tokens,
+                    "mean_output_tokens": lengths.mean_output_tokens,
+                    "measured_lengths": lengths,
+                }
+            out[name] = spec.model_copy(update=update)
+        return out
 
 
 class MeasuredRates(BaseModel):
@@ -77,6 +93,9 @@ class MeasuredRates(BaseModel):
     prompt_tokens_per_s: dict[str, float]
     generation_tokens_per_s: dict[str, float]
     queries: list[str] = Field(description="The PromQL the figures come from.")
+    lengths: dict[str, MeasuredLengths] = Field(
+        default_factory=dict, description="Model -> lengths from vLLM's token histograms."
+    )
 
 
 def config_demand(specs: Mapping[str, ModelSpec]) -> DemandReport:
@@ -137,7 +156,9 @@ def file_demand(specs: Mapping[str, ModelSpec], doc: DemandFile, path: str) -> D
         models.append(ModelDemand(model=m, demand=figure, origin="config", detail="not in file"))
     unknown = sorted(set(doc.demand) - set(specs))
     warnings += [f"{path} gives demand for {m}, which the stack does not serve" for m in unknown]
-    return DemandReport(kind="file", models=models, warnings=warnings, unknown_models=unknown)
+    lengths = {m: x for m, x in doc.lengths.items() if m in specs}
+    return DemandReport(kind="file", models=models, warnings=warnings, unknown_models=unknown,
+                        lengths=lengths)  # fmt: skip
 
 
 def phase_figures(spec: ModelSpec, demand: Demand) -> dict[LibPhase, float]:
@@ -195,8 +216,9 @@ def rates_demand(
     unknown = sorted(measured - set(specs))
     warnings += [f"Prometheus serves {m}, which the stack does not: not planned" for m in unknown]
     report = DemandReport(
-        kind="prometheus", models=models, warnings=warnings, unknown_models=unknown
-    )
+        kind="prometheus", models=models, warnings=warnings, unknown_models=unknown,
+        lengths={m: x for m, x in rates.lengths.items() if m in specs},
+    )  # fmt: skip
     return with_floors(specs, report, settings)
 
 
@@ -251,5 +273,9 @@ def demand_file_text(doc: DemandFile, header: list[str]) -> str:
     data["demand"] = {
         m: doc.demand[m].model_dump(mode="json", exclude_none=True) for m in sorted(doc.demand)
     }
+    if doc.lengths:
+        data["lengths"] = {m: doc.lengths[m].model_dump(mode="json") for m in sorted(doc.lengths)}
+    else:
+        data.pop("lengths", None)
     body = yaml.safe_dump(data, sort_keys=False, default_flow_style=None, width=100)
     return "".join(f"# {line}\n" for line in header) + body

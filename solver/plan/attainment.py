@@ -822,8 +822,7 @@ def verify_plan(
         row = ModelAttainment(
             model=model,
             target=spec.slo_attainment,
-            workload=trace_of(spec)
-            or f"generated, not a trace ({spec.workload or 'default shape'})",
+            workload=trace_of(spec) or _generated(spec),
             planned=round(planned[model], 4) if model in planned else None,
             verified=round(r.admitted_attainment, 4) if r is not None else None,
             verified_requests=len(r.met) if r is not None else 0,
@@ -899,3 +898,16 @@ def _cause(r: ModelResult, ttft_slo: float, tpot_slo: float) -> str:
             else "prefill never finished"
         )
     return "; ".join(parts)
+
+
+def _generated(spec: ModelSpec) -> str:
+    """What a generated workload is drawn from, for the plan: the named shape, or the lengths
+    measured on the fleet (with their source)."""
+    m = spec.measured_lengths
+    if m is None:
+        return f"generated, not a trace ({spec.workload or 'default shape'})"
+    return (
+        f"generated, not a trace, from measured lengths: prompt mean {m.mean_prompt_tokens:g} "
+        f"sigma {m.prompt_sigma:g}, output mean {m.mean_output_tokens:g} sigma "
+        f"{m.output_sigma:g}, {m.requests} requests ({m.source})"
+    )

@@ -47,6 +47,7 @@ from solver.io import data_path
 from solver.simulation.traces import (
     LengthDistribution,
     Trace,
+    WorkloadShape,
     cap_lengths,
     generate_trace,
     load_trace_csv,
@@ -152,9 +153,9 @@ def model_trace(
             duration_s,
             spec.mean_prompt_tokens,
             spec.mean_output_tokens,
-            spec.workload,
             seed=seed,
             max_context=max_context,
+            shape=shape_for(spec),
         )
     return _trace_window(spec, purpose, rate, duration_s, root, max_context)
 
@@ -285,9 +286,9 @@ def stack_requests(
                 duration_s,
                 spec.mean_prompt_tokens,
                 spec.mean_output_tokens,
-                spec.workload,
                 seed=seed + i,
                 max_context=context,
+                shape=shape_for(spec),
             )
         else:
             out[model] = model_trace(spec, i, purpose, duration_s, root, load, context)
@@ -305,13 +306,23 @@ def planning_workload(
         trace = model_trace(spec, index, "plan", 3_600.0, root, max_context=max_context)
         share = trace.capped / len(trace) if len(trace) else 0.0
         return Workload(np.sort(trace.prompt), np.sort(trace.output), _idc(trace.arrival_s), share)
-    shape = shape_of(spec.workload)
+    shape = shape_for(spec)
     lengths = LengthDistribution.of(
         spec.mean_prompt_tokens, spec.mean_output_tokens, shape, max_context
     )
     q = (np.arange(PLAN_QUANTILES) + 0.5) / PLAN_QUANTILES
     prompts, outputs = lengths.quantiles(q)
     return Workload(prompts, outputs, shape.arrival_cv**2, lengths.capped_share())
+
+
+def shape_for(spec: ModelSpec) -> WorkloadShape:
+    """The shape generated requests of `spec` are drawn in: its named `workload`'s, with the
+    length spreads its fleet was measured serving (`measured_lengths`) where it has them."""
+    shape = shape_of(spec.workload)
+    measured = spec.measured_lengths
+    if measured is None:
+        return shape
+    return WorkloadShape(shape.arrival_cv, measured.prompt_sigma, measured.output_sigma)
 
 
 def _idc(arrival_s: np.ndarray, window_s: float = 1.0) -> float:

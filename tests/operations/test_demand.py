@@ -345,3 +345,27 @@ def test_prometheus_url_override_from_option_then_environment(monkeypatch):
     monkeypatch.setenv(URL_ENV, "http://env:9090")
     assert with_prometheus_url(settings, None).url == "http://env:9090"
     assert with_prometheus_url(settings, "http://option:9090").url == "http://option:9090"
+
+
+def test_measured_lengths_replace_the_named_shape_in_planning():
+    """A model its fleet was measured serving at fixed lengths (sigma 0) plans on exactly
+    those, where its named shape (Azure Conversation) spreads them; the plan says where its
+    workload came from."""
+    from solver.plan.attainment import _generated
+    from solver.simulation.workload import planning_workload
+    from solver.stack import MeasuredLengths
+
+    spec = fleet_with().models["qwen3-32b"]
+    measured = MeasuredLengths(mean_prompt_tokens=700, mean_output_tokens=90, prompt_sigma=0,
+                               output_sigma=0, requests=500, source="Prometheus http://p")  # fmt: skip
+    doc = DemandFile(source="test", demand={"qwen3-32b": Demand(requests_per_s=1)},
+                     lengths={"qwen3-32b": measured})  # fmt: skip
+    report = file_demand({"qwen3-32b": spec}, doc, "demand.yaml")
+    applied = report.apply({"qwen3-32b": spec})["qwen3-32b"]
+    named = planning_workload(spec, 0)
+    fixed = planning_workload(applied, 0)
+    assert named.prompts.min() < 0.5 * named.prompts.max()  # the named shape spreads them
+    assert fixed.prompts == pytest.approx(700.0) and fixed.outputs == pytest.approx(90.0)
+    assert "measured lengths: prompt mean 700 sigma 0" in _generated(applied)
+    assert "Prometheus http://p" in _generated(applied)
+    assert _generated(spec).startswith("generated, not a trace (")

@@ -37,6 +37,19 @@ RATES = {
     ("vllm:generation_tokens_total", "llama3-8b", None): 5.0,
 }
 TOLERANCE = 0.10  # rate() over a 4 s window of 0.5 s scrapes, extrapolated at the edges
+# vLLM's per-request token histograms: (metric, model, coral_phase) -> (upper bounds, requests/s
+# at or below each, tokens/s summed). The decode node's prompts (the same requests, counted
+# again) have another shape: the source must skip them.
+HISTOGRAMS = {
+    ("vllm:request_prompt_tokens", "qwen3-32b", "prefill"):
+        ((500, 1000, 2000, "+Inf"), (4, 12, 18, 20), 20 * 900.0),
+    ("vllm:request_generation_tokens", "qwen3-32b", "prefill"):
+        ((1, 2, "+Inf"), (20, 20, 20), 20 * 1.0),
+    ("vllm:request_prompt_tokens", "qwen3-32b", "decode"):
+        ((500, 1000, 2000, "+Inf"), (0, 0, 0, 20), 20 * 5000.0),
+    ("vllm:request_generation_tokens", "qwen3-32b", "decode"):
+        ((100, 200, 500, "+Inf"), (6, 14, 20, 20), 20 * 150.0),
+}  # fmt: skip
 
 
 class Counters(BaseHTTPRequestHandler):
@@ -52,6 +65,16 @@ class Counters(BaseHTTPRequestHandler):
                     labels = f'model_name="{model}",engine="0"'
                     labels += f',coral_phase="{phase}"' if phase else ""
                     lines.append(f"{metric}{{{labels}}} {1000 + rate * elapsed:.3f}")
+        for metric in sorted({m for m, _, _ in HISTOGRAMS}):
+            lines.append(f"# TYPE {metric} histogram")
+            for (name, model, phase), (bounds, counts, total) in HISTOGRAMS.items():
+                if name != metric:
+                    continue
+                labels = f'model_name="{model}",engine="0",coral_phase="{phase}"'
+                for le, count in zip(bounds, counts, strict=True):
+                    lines.append(f'{metric}_bucket{{{labels},le="{le}"}} {count * elapsed:.3f}')
+                lines.append(f"{metric}_count{{{labels}}} {counts[-1] * elapsed:.3f}")
+                lines.append(f"{metric}_sum{{{labels}}} {total * elapsed:.3f}")
         body = ("\n".join(lines) + "\n").encode()
         self.send_response(200)
         self.send_header("Content-Type", "text/plain; version=0.0.4")
@@ -183,6 +206,21 @@ def test_refresh_writes_the_demand_file_that_show_then_reads(prometheus, tmp_pat
     doc = load_demand_file(stacks / "demand" / "live.yaml")
     assert isinstance(doc, DemandFile) and doc.retrieved_utc is not None
     assert prometheus in doc.source and set(doc.demand) == {"gpt-oss-20b", "qwen3-32b"}
+    # The lengths served, prompts off the prefill nodes, outputs off the decode nodes: the means
+    # exactly (sum over count), a spread fitted to the buckets; none for a model without samples.
+    assert set(doc.lengths) == {"qwen3-32b"}
+    lengths = doc.lengths["qwen3-32b"]
+    assert (lengths.mean_prompt_tokens, lengths.mean_output_tokens) == (900, 150)
+    assert 0.3 < lengths.prompt_sigma < 1.5 and 0.3 < lengths.output_sigma < 1.5
+    assert lengths.requests >= 50 and prometheus in lengths.source
+    assert "# Lengths measured for 1 of 2 models (qwen3-32b)" in text
+    # What `coral plan` reads back: the measured means and spreads in place of the config's.
+    fleet = load_stack(stacks, "live")
+    report = demand_report(fleet.model_copy(update={"demand_source": fleet.demand_source.model_copy(
+        update={"kind": "file"})}), "live", stacks)  # fmt: skip
+    spec = report.apply(fleet.models)["qwen3-32b"]
+    assert (spec.mean_prompt_tokens, spec.mean_output_tokens) == (900, 150)
+    assert spec.measured_lengths == lengths
     # Prometheus gone: `show` falls back to the file only when the stack says so.
     dead = f"http://127.0.0.1:{free_port()}"
     r = runner.invoke(app, ["demand", "show", "--stack", "live", "--prometheus", dead])
