@@ -19,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import numpy as np
 
 from coral_iac.project import confined, project_root
 from solver.catalog.offers import load_catalog
@@ -204,10 +203,12 @@ def measure_rates(settings: PrometheusSource, client: httpx.Client | None = None
             return measure_rates(settings, own)
     prompt_q = rate_query(PROMPT_METRIC, settings, skip_phase="decode")
     generation_q = rate_query(GENERATION_METRIC, settings, skip_phase="prefill")
+    prompt = query_vector(settings, prompt_q, client)
+    generation = query_vector(settings, generation_q, client)
     lengths, length_queries = measure_lengths(settings, client)
     return MeasuredRates(
-        prompt_tokens_per_s=query_vector(settings, prompt_q, client),
-        generation_tokens_per_s=query_vector(settings, generation_q, client),
+        prompt_tokens_per_s=prompt,
+        generation_tokens_per_s=generation,
         queries=[prompt_q, generation_q, *length_queries],
         lengths=lengths,
     )
@@ -228,7 +229,8 @@ def measure_lengths(
     """Per model, the lengths its fleet served over the window: the means of vLLM's prompt and
     generation token histograms (their sums over their counts) and the sigma of the lognormal
     that makes their buckets most likely (`fit_lengths`); a model with fewer than
-    MIN_LENGTH_REQUESTS requests, or without the histograms (an older vLLM), gets none.
+    MIN_LENGTH_REQUESTS requests, or without the histograms (an older vLLM), gets none; a
+    sample that is not a number >= 0 is left out (the demand's own rates are checked strictly).
     Returns them and the queries asked."""
     label, window = settings.model_label, settings.window
     hists: dict[str, dict[str, Histogram]] = {}
@@ -239,7 +241,8 @@ def measure_lengths(
         sum_q = f"sum by ({label}) (increase({metric}_sum{selector}[{window}]))"
         queries += [buckets_q, sum_q]
         buckets: dict[str, dict[float, float]] = {}
-        for labels, value in vector_samples(query_data(settings, buckets_q, client), buckets_q):
+        data = query_data(settings, buckets_q, client)
+        for labels, value in vector_samples(data, buckets_q, strict=False):
             model, le = labels.get(label), labels.get("le")
             if model is None or le is None:
                 continue
@@ -247,15 +250,12 @@ def measure_lengths(
             per = buckets.setdefault(model, {})
             per[bound] = per.get(bound, 0.0) + value
         sums: dict[str, float] = {}
-        for labels, value in vector_samples(query_data(settings, sum_q, client), sum_q):
+        data = query_data(settings, sum_q, client)
+        for labels, value in vector_samples(data, sum_q, strict=False):
             if (model := labels.get(label)) is not None:
                 sums[model] = sums.get(model, 0.0) + value
         for model, per in buckets.items():
-            upper = sorted(per)
-            cumulative = np.maximum.accumulate([per[b] for b in upper])
-            hists.setdefault(model, {})[name] = Histogram(
-                tuple(upper), tuple(cumulative.tolist()), sums.get(model, 0.0)
-            )
+            hists.setdefault(model, {})[name] = Histogram.of_buckets(per, sums.get(model, 0.0))
     url = mask_credentials(settings.url)
     out = {}
     for model, h in sorted(hists.items()):
@@ -276,11 +276,14 @@ def measure_lengths(
     return out, queries
 
 
-def vector_samples(data: Any, promql: str) -> list[tuple[dict[str, str], float]]:
-    """An instant vector's (labels, value) samples.
+def vector_samples(
+    data: Any, promql: str, strict: bool = True
+) -> list[tuple[dict[str, str], float]]:
+    """An instant vector's (labels, value) samples; with `strict` False, a sample that is not a
+    finite number >= 0 is left out instead of refused.
 
     Raises:
-        InputError: not a vector, or a value that is not a finite number >= 0.
+        InputError: not a vector, or (strict) a value that is not a finite number >= 0.
     """
     result = data.get("result") if isinstance(data, dict) else None
     if (
@@ -299,6 +302,8 @@ def vector_samples(data: Any, promql: str) -> list[tuple[dict[str, str], float]]
         except (TypeError, ValueError):
             number = math.nan
         if not isinstance(metric, dict) or not math.isfinite(number) or number < 0:
+            if not strict:
+                continue
             raise InputError(URL_FIELD, f"`{promql}` answered a sample that is not "
                              f"{{metric: {{...}}, value: [time, \"number >= 0\"]}}: {sample!r:.200}",
                              "check the series in Prometheus")  # fmt: skip

@@ -20,7 +20,6 @@ import math
 from collections.abc import Iterable
 
 import httpx
-import numpy as np
 from prometheus_client.parser import text_string_to_metric_families
 
 from coral_iac.components import gcp_label
@@ -102,12 +101,7 @@ def read_replica_metrics(
             if replica is not None:
                 sums[replica] = sums.get(replica, 0.0) + value
         for key, per_bound in buckets.items():
-            upper = sorted(per_bound)
-            # increase() extrapolates each series apart: keep the counts cumulative.
-            cumulative = np.maximum.accumulate([per_bound[b] for b in upper])
-            hists.setdefault(key, {})[name] = Histogram(
-                tuple(upper), tuple(cumulative.tolist()), sums.get(key, 0.0)
-            )
+            hists.setdefault(key, {})[name] = Histogram.of_buckets(per_bound, sums.get(key, 0.0))
     out = {
         key: ReplicaMetrics(
             key,
@@ -170,11 +164,7 @@ def metrics_from_exposition(
                 sums[(replica, name)] = sums.get((replica, name), 0.0) + sample.value
     hists: dict[str, dict[str, Histogram]] = {}
     for (key, name), per_bound in buckets.items():
-        upper = sorted(per_bound)
-        cumulative = np.maximum.accumulate([per_bound[b] for b in upper])
-        hists.setdefault(key, {})[name] = Histogram(
-            tuple(upper), tuple(cumulative.tolist()), sums.get((key, name), 0.0)
-        )
+        hists.setdefault(key, {})[name] = Histogram.of_buckets(per_bound, sums.get((key, name), 0.0))
     return {
         key: ReplicaMetrics(key, seconds, h.get("ttft"), h.get("tpot"), h.get("prompt_tokens"),
                             h.get("generation_tokens"))  # fmt: skip

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 import typer
+import yaml
 
 from coral_iac.cli.console import (
     FittedTable,
@@ -213,9 +214,11 @@ def _print(
 
 
 def _plot(path: Path, results: list[Any]) -> None:
+    # Deferred: matplotlib takes a second to import, and only --plot draws.
     import matplotlib
 
     matplotlib.use("Agg")
+    # After use("Agg"): pyplot picks its backend when imported (no display needed).
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 2, figsize=(10, 4.5))
@@ -246,6 +249,8 @@ def _plot(path: Path, results: list[Any]) -> None:
 
 
 def _write(stack: str, fleet: Any, corrections: list[Any], source: str, window: str) -> None:
+    # Deferred to when the command runs: the solver modules behind it (numpy,
+    # pydantic, OR-Tools) would slow the start of every coral command.
     from coral_iac.stack_files import with_fleet_key
     from solver.io import write_atomic
     from solver.stack import FleetCalibration, StepCorrection, parse_fleet, stack_path
@@ -280,8 +285,6 @@ def _write(stack: str, fleet: Any, corrections: list[Any], source: str, window: 
     value = calibration.model_dump(mode="json", exclude_none=True)
     path = stack_path(stacks_dir(), stack)
     text = with_fleet_key(path, "calibration", value)
-    import yaml
-
     parse_fleet(yaml.safe_load(text)["config"], str(path), stacks_dir())  # never write a bad file
     write_atomic(path, text)
     err.print(

@@ -84,6 +84,14 @@ class Histogram:
         return _quantile(np.array(self.upper), np.array(self.cumulative), q)
 
     @classmethod
+    def of_buckets(cls, counts: Mapping[float, float], total: float) -> Histogram:
+        """From cumulative counts by upper bound (as Prometheus's `le` series give them), made
+        non-decreasing: `increase()` extrapolates each series apart."""
+        upper = sorted(counts)
+        cumulative = np.maximum.accumulate([counts[b] for b in upper])
+        return cls(tuple(upper), tuple(cumulative.tolist()), total)
+
+    @classmethod
     def of(cls, values: np.ndarray, upper: Sequence[float] | np.ndarray) -> Histogram:
         """The histogram vLLM would record of `values` in buckets `upper` (its last +Inf)."""
         bounds = np.array(upper, dtype=np.float64)

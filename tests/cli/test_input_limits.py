@@ -516,7 +516,7 @@ def test_an_empty_demand_file_says_so_and_what_it_holds(tmp_path, text):
     path.write_text(text)
     with pytest.raises(InputError, match="dev.yaml: the file is empty") as e:
         load_yaml_model(DemandFile, path)
-    assert e.value.fix == "write a mapping with the keys source, demand (optional: retrieved_utc)"
+    assert e.value.fix == "write a mapping with the keys source, demand (optional: retrieved_utc, lengths)"
     assert "NoneType" not in str(e.value)
 
 

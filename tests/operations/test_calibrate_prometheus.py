@@ -10,17 +10,14 @@ percent `increase()` extrapolates at the window's end.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import numpy as np
 import pytest
-import yaml
 from prometheus_client.parser import text_string_to_metric_families
 from typer.testing import CliRunner
 
@@ -30,9 +27,9 @@ from coral_iac.fleet_metrics import metrics_from_exposition, read_replica_metric
 from solver.operations.step_calibration import replica_facts
 from solver.performance.default_model import load_perf_model
 from solver.stack import PrometheusSource, load_stack
+from tests import prometheus_server
 from tests.conftest import REPO
 from tests.operations.recorded_fleet import record
-from tests.operations.test_demand_prometheus import free_port
 
 GROW_S = 2.0
 
@@ -70,8 +67,6 @@ def recording(tmp_path_factory) -> tuple[str, list[str], Path]:
 
 @pytest.fixture(scope="module")
 def prometheus(recording, tmp_path_factory) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is missing: scripts/test installs Debian's package"
     text = recording[0]
     scrapes: list[float] = []  # when Prometheus scraped; the growth starts at its third scrape
 
@@ -92,42 +87,16 @@ def prometheus(recording, tmp_path_factory) -> Iterator[str]:
     server = ThreadingHTTPServer(("127.0.0.1", 0), Recorded)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     work = tmp_path_factory.mktemp("prometheus")
-    config = {
-        "global": {"scrape_interval": "500ms"},
-        "scrape_configs": [{"job_name": "vllm", "static_configs": [
-            {"targets": [f"127.0.0.1:{server.server_port}"]}]}],
-    }  # fmt: skip
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = work / "log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=stderr,
-        )  # fmt: skip
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = prometheus_server.start(
+        work, [{"targets": [f"127.0.0.1:{server.server_port}"]}]
+    )
     try:
-        # Until the counters have held at the recording for two seconds (at most 30 s).
+        # Until the counters have held at the recording for two seconds.
         query = "min(count_over_time(vllm:request_prompt_tokens_count[8s]))"
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert proc.poll() is None, f"prometheus exited: {log.read_text()}"
-            try:
-                got = httpx.get(f"{url}/api/v1/query", params={"query": query})
-                ready = got.status_code == 200 and got.json()["data"]["result"]
-                if ready and float(got.json()["data"]["result"][0]["value"][1]) >= 14:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
-        else:
-            raise AssertionError(f"prometheus had too few samples: {log.read_text()}")
+        prometheus_server.wait_for(url, proc, log, query, 14)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        prometheus_server.stop(proc)
         server.shutdown()
         server.server_close()
 

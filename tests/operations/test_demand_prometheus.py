@@ -7,16 +7,12 @@ the floors, with a model without samples falling back and an unknown model repor
 
 from __future__ import annotations
 
-import shutil
-import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
-import httpx
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -25,7 +21,9 @@ from coral_iac.cli.app import app
 from coral_iac.demand_sources import demand_report
 from solver.operations.demand_rules import DemandFile, load_demand_file
 from solver.stack import load_stack
+from tests import prometheus_server
 from tests.conftest import REPO
+from tests.prometheus_server import free_port
 
 # tokens/s each series grows by: (metric, model, coral_phase label or None) -> rate
 RATES = {
@@ -85,70 +83,23 @@ class Counters(BaseHTTPRequestHandler):
         pass
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory) -> Iterator[str]:
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is missing: scripts/test installs Debian's package"
     server = ThreadingHTTPServer(("127.0.0.1", 0), Counters)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     work = tmp_path_factory.mktemp("prometheus")
-    config = {
-        "global": {"scrape_interval": "500ms", "evaluation_interval": "1s"},
-        "scrape_configs": [
-            {
-                "job_name": "vllm",
-                "static_configs": [{"targets": [f"127.0.0.1:{server.server_port}"]}],
-            }
-        ],
-    }
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = free_port()
-    log = work / "log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [
-                binary,
-                f"--config.file={work / 'prometheus.yml'}",
-                f"--storage.tsdb.path={work / 'data'}",
-                f"--web.listen-address=127.0.0.1:{port}",
-                "--log.level=warn",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=stderr,
-        )
-    url = f"http://127.0.0.1:{port}"
+    proc, url, log = prometheus_server.start(
+        work, [{"targets": [f"127.0.0.1:{server.server_port}"]}]
+    )
     try:
-        wait_for_samples(url, proc, log)
+        # Until every series is older than the 4 s window: 11 samples in 6 s.
+        query = "min(count_over_time(vllm:prompt_tokens_total[6s]))"
+        prometheus_server.wait_for(url, proc, log, query, 11)
         yield url
     finally:
-        proc.terminate()
-        proc.wait(timeout=10)
+        prometheus_server.stop(proc)
         server.shutdown()
         server.server_close()
-
-
-def wait_for_samples(url: str, proc: subprocess.Popen[bytes], log: Path) -> None:
-    """Until every series is older than the 4 s window: 11 samples in 6 s (at most 30 s)."""
-    query = "min(count_over_time(vllm:prompt_tokens_total[6s]))"
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"prometheus exited: {log.read_text()}"
-        try:
-            response = httpx.get(f"{url}/api/v1/query", params={"query": query})
-        except httpx.TransportError:
-            response = None  # not listening yet
-        if response is not None and response.status_code == 200:  # 503 while starting
-            result = response.json()["data"]["result"]
-            if result and float(result[0]["value"][1]) >= 11:
-                return
-        time.sleep(0.5)
-    raise AssertionError(f"prometheus had too few samples after 30 s: {log.read_text()}")
 
 
 def stack_dir(tmp_path: Path, url: str) -> Path:

@@ -98,6 +98,9 @@ LAYERS: list[tuple[str, ...]] = [
         "coral_iac.cost_report",
         "coral_iac.components",
     ),
+    # The running fleet read back (its latency histograms by replica label, as the nodes are
+    # tagged), and a stack file edited in place (`coral calibrate --write`).
+    ("coral_iac.fleet_metrics", "coral_iac.stack_files"),
     # The Pulumi program: the fleet of a stack's plan.
     ("coral_iac.program",),
     # The program run offline under Pulumi's mocks (`coral preview`, `coral render`, tests).

@@ -47,15 +47,18 @@ LOAD_S = 30.0
 SEQS = 8
 
 
-def capacity_rps(url: str, clients: int = 4 * SEQS, seconds: float = 20.0) -> float:
-    """Completions per second the replica serves with `clients` back to back, more than its
-    batch cap (its capacity)."""
+def capacity_rps(
+    url: str, clients: int = 4 * SEQS, seconds: float = 20.0, body: dict | None = None
+) -> float:
+    """Completions (of `body`, default BODY) per second the replica serves with `clients` back
+    to back, more than its batch cap (its capacity)."""
+    body = BODY if body is None else body
     done: list[float] = []
     stop = time.monotonic() + seconds
 
     def client() -> None:
         while time.monotonic() < stop:
-            if call("POST", f"{url}/v1/completions", BODY)[0] == 200:
+            if call("POST", f"{url}/v1/completions", body)[0] == 200:
                 done.append(time.monotonic())
 
     with ThreadPoolExecutor(clients) as pool:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import datetime as dt
 import json
 import os
-import shutil
 import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -25,7 +24,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
 
 from coral_iac.bootstrap import render_user_data
 from coral_iac.fleet_metrics import read_replica_metrics
@@ -44,13 +42,13 @@ from solver.performance.perf_model import PerfModel
 from solver.serving.instance_model import InstanceModel
 from solver.serving.serving_template import ServingTemplate, Stage, StageMember
 from solver.stack import PrometheusSource
+from tests import prometheus_server
 from tests.deploy.test_bootstrap import LAYERS, boots_for, template
 from tests.deploy.test_gateway_admission import Answer, _one
-from tests.operations.test_demand_prometheus import free_port as prometheus_port
 from tests.serving import harness
 from tests.serving.harness import Metadata, call, fake_cli, free_port, lay_out
 from tests.serving.test_real_serving import BOOT_S, TINY_LAYERS, make_tiny
-from tests.serving.test_serving_admission import MODEL, gateway
+from tests.serving.test_serving_admission import MODEL, capacity_rps, gateway
 
 pytestmark = pytest.mark.serving
 SEQS = 16  # --max-num-seqs of the rendered node
@@ -106,43 +104,6 @@ def cpu_replica(perf: PerfModel) -> ReplicaFacts:
     return ReplicaFacts(KEY, "tiny", "aggregated", ("cpu",), inst)
 
 
-def start_prometheus(work: Path, target: str) -> tuple[subprocess.Popen[bytes], str]:
-    binary = shutil.which("prometheus")
-    assert binary, "prometheus is missing: scripts/test_serving installs Debian's package"
-    config = {
-        "global": {"scrape_interval": "1s"},
-        "scrape_configs": [{"job_name": "vllm", "static_configs": [
-            {"targets": [target], "labels": {"coral_replica": KEY}}]}],
-    }  # fmt: skip
-    (work / "prometheus.yml").write_text(yaml.safe_dump(config))
-    port = prometheus_port()
-    log = work / "prometheus.log"
-    with log.open("w") as stderr:
-        proc = subprocess.Popen(
-            [binary, f"--config.file={work / 'prometheus.yml'}",
-             f"--storage.tsdb.path={work / 'data'}", f"--web.listen-address=127.0.0.1:{port}",
-             "--log.level=warn"],
-            stdout=subprocess.DEVNULL, stderr=stderr,
-        )  # fmt: skip
-    return proc, f"http://127.0.0.1:{port}"
-
-
-def capacity_rps(url: str, clients: int, seconds: float) -> float:
-    """Completions of BODY per second with `clients` back to back (more than the batch cap)."""
-    done: list[float] = []
-    stop = time.monotonic() + seconds
-
-    def client() -> None:
-        while time.monotonic() < stop:
-            if call("POST", f"{url}/v1/completions", BODY)[0] == 200:
-                done.append(time.monotonic())
-
-    with ThreadPoolExecutor(clients) as pool_:
-        for _ in range(clients):
-            pool_.submit(client)
-    return len(done) / seconds
-
-
 def poisson_load(port: int, rate: float, seconds: float, seed: int = 0) -> list[Answer]:
     """Open-loop completions at Poisson arrivals of `rate` per second for `seconds` (bounded)."""
     gaps = np.random.default_rng(seed).exponential(1.0 / rate, int(rate * seconds * 2) + 10)
@@ -179,10 +140,12 @@ def test_calibrate_brings_the_prediction_of_a_real_replica_within_15_percent(tmp
         for _ in range(3):  # warm up the compiled graphs
             assert call("POST", f"{url}/v1/completions", BODY)[0] == 200
         os.sched_setaffinity(0, (cores - {0}) or {0})
-        capacity = capacity_rps(url, clients=2 * SEQS, seconds=15.0)
+        capacity = capacity_rps(url, clients=2 * SEQS, seconds=15.0, body=BODY)
         assert capacity > 0.5, f"the replica served {capacity:.2f} completions/s"
         rate = 0.5 * capacity
-        prometheus, prom_url = start_prometheus(tmp_path, f"127.0.0.1:{port}")
+        # Labelled as a fleet's scrape labels a node from its coral:replica tag.
+        static = [{"targets": [f"127.0.0.1:{port}"], "labels": {"coral_replica": KEY}}]
+        prometheus, prom_url, _ = prometheus_server.start(tmp_path, static, "1s")
         time.sleep(3.0)  # a few scrapes before the load: increase() starts from them
         with gateway(tmp_path, url.removeprefix("http://"), None) as gw:
             started = time.monotonic()
@@ -194,8 +157,7 @@ def test_calibrate_brings_the_prediction_of_a_real_replica_within_15_percent(tmp
     finally:
         os.sched_setaffinity(0, cores)
         if prometheus is not None:
-            prometheus.terminate()
-            prometheus.wait(timeout=10)
+            prometheus_server.stop(prometheus)
         for p in procs:
             harness.stop(p)
         meta.close()
