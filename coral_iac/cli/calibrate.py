@@ -151,8 +151,13 @@ def _row(r: Any) -> dict[str, Any]:
         "gpus": sorted(set(r.gpus)),
         "requests": r.requests,
     }
-    if hasattr(r, "factor"):
-        row |= {"factor": r.factor[0], "low": r.factor[1], "high": r.factor[2], "replay": r.replay}
+    if hasattr(r, "factors"):
+        row |= {
+            "factors": {
+                phase: {"factor": k, "low": lo, "high": hi} for phase, (k, lo, hi) in r.factors.items()
+            },
+            "replay": r.replay,
+        }
     else:
         row["refused"] = r.reason
     row["quantiles"] = {
@@ -183,7 +188,13 @@ def _print(
         table.add_column(col, justify="left" if left else "right", overflow="fold")
     for r in rows:
         factor = (
-            f"{r['factor']:.2f} ({r['low']:.2f}-{r['high']:.2f})" if "factor" in r else "refused"
+            "; ".join(
+                (f"{phase} " if len(r["factors"]) > 1 else "")
+                + f"{f['factor']:.2f} ({f['low']:.2f}-{f['high']:.2f})"
+                for phase, f in r["factors"].items()
+            )
+            if "factors" in r
+            else "refused"
         )
         metrics = r["quantiles"] or {"-": None}
         for i, (metric, q) in enumerate(metrics.items()):

@@ -36,7 +36,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
-from scipy.optimize import minimize_scalar
+from scipy.optimize import minimize, minimize_scalar
 from scipy.special import ndtr
 
 from solver.performance.perf_model import PerfModel
@@ -286,14 +286,16 @@ class Quantiles:
 
 @dataclass(frozen=True)
 class ReplicaFit:
-    """One replica's step factor and its 95% interval."""
+    """One replica's step factors and their 95% intervals."""
 
     replica: str
     model: str
     phase: str
     gpus: tuple[str, ...]
     requests: int
-    factor: tuple[float, float, float]  # (factor, low, high): its steps' time over the model's
+    # Replica phase -> (factor, low, high): its steps' time over the model's. An aggregated
+    # replica's prompt and decode steps fitted apart have `prefill` and `decode` instead.
+    factors: dict[str, tuple[float, float, float]]
     quantiles: list[Quantiles] = field(default_factory=list)
     replay: dict[str, float] = field(default_factory=dict)
 
@@ -354,17 +356,18 @@ def fit_replica(
                           "histogram's last finite bucket (or at 0) cannot be fitted")  # fmt: skip
     replay = replay_of(metrics, facts.phase, max_context)
 
-    def latencies(log_k: float) -> dict[str, np.ndarray]:
+    def latencies(log_k: float, log_decode: float | None = None) -> dict[str, np.ndarray]:
         k = math.exp(log_k)
-        return dict(zip(("ttft", "tpot"), predict(facts.instance, facts.phase, replay, k, k),
+        kd = k if log_decode is None else math.exp(log_decode)
+        return dict(zip(("ttft", "tpot"), predict(facts.instance, facts.phase, replay, k, kd),
                         strict=True))  # fmt: skip
 
-    def stats_at(log_k: float) -> dict[str, np.ndarray]:
-        lat = latencies(log_k)
+    def stats_at(log_k: float, log_decode: float | None = None) -> dict[str, np.ndarray]:
+        lat = latencies(log_k, log_decode)
         return {m: predicted_stats(lat[m], hists[m].upper) for m in fitted}
 
-    def residuals(log_k: float) -> np.ndarray:
-        pred = stats_at(log_k)
+    def residuals(log_k: float, log_decode: float | None = None) -> np.ndarray:
+        pred = stats_at(log_k, log_decode)
         return np.concatenate(
             [np.log(np.clip(pred[m], 1e-9, 1e9) / measured[m]) for m in fitted]
         )
@@ -402,12 +405,85 @@ def fit_replica(
         return refuse(f"too noisy: the 95% interval of the factor {factor:.2f} ({width}) is wider "
                       f"than +-{MAX_HALF_WIDTH:.0%}; use a longer --window or more load",
                       quantiles)  # fmt: skip
+    factors: dict[str, tuple[float, float, float]] = {facts.phase: (factor, low, high)}
+    if facts.phase == "aggregated" and _phases_disagree(residuals(x)):
+        split = _split_fit(residuals, stats_at, latencies, weights, fitted, hists, x, lo, hi)
+        if split is not None:
+            factors, pred = split
+            quantiles = [
+                Quantiles(m, _three(measured[m]), _three(pred[m]), _three(base[m]))
+                for m in fitted
+            ]
     return ReplicaFit(
-        facts.replica, facts.model, facts.phase, facts.gpus, n, (factor, low, high), quantiles,
+        facts.replica, facts.model, facts.phase, facts.gpus, n, factors, quantiles,
         {"rate_per_s": replay.rate_per_s, "mean_prompt": replay.prompt.mean,
          "prompt_sigma": replay.prompt.sigma, "mean_output": replay.output.mean,
          "output_sigma": replay.output.sigma, "replayed": float(len(replay.arrival_s))},
     )  # fmt: skip
+
+
+SPLIT_AT = 0.10  # one factor leaves TTFT and TPOT this far off, in opposite directions: split
+
+
+def _phases_disagree(residuals: np.ndarray) -> bool:
+    """Whether one factor leaves an aggregated replica's TTFT (the first three statistics) and
+    TPOT (the last three) off by more than SPLIT_AT in opposite directions, by their means and
+    p50s: its prompt steps and its decode steps are off by different factors."""
+    ttft, tpot = residuals[[0, 1]], residuals[[3, 4]]
+    bound = math.log(1 + SPLIT_AT)
+    return bool(
+        (np.all(ttft > 0) and np.all(tpot < 0) or np.all(ttft < 0) and np.all(tpot > 0))
+        and max(np.max(np.abs(ttft)), np.max(np.abs(tpot))) > bound
+    )
+
+
+def _split_fit(
+    residuals: Callable[..., np.ndarray],
+    stats_at: Callable[..., dict[str, np.ndarray]],
+    latencies: Callable[..., dict[str, np.ndarray]],
+    weights: np.ndarray,
+    fitted: Sequence[str],
+    hists: Mapping[str, Histogram],
+    x: float,
+    lo: float,
+    hi: float,
+) -> tuple[dict[str, tuple[float, float, float]], dict[str, np.ndarray]] | None:
+    """An aggregated replica's steps with prompt tokens and its steps of decodes alone fitted
+    apart (the weighted least squares of `fit_replica` over two log factors, from the one
+    factor `x`), with their delta-method intervals: kept only when both intervals are within
+    MAX_HALF_WIDTH, both factors inside the bounds, and the fit is closer; else None (the one
+    factor stands). Under load most steps mix the two, and the split is not identified."""
+    def loss(v: np.ndarray) -> float:
+        return float(np.sum(weights * residuals(float(v[0]), float(v[1])) ** 2))
+
+    best = minimize(loss, np.array([x, x]), method="Nelder-Mead",
+                    options={"xatol": 2e-3, "fatol": 1e-4, "maxiter": 80})  # fmt: skip
+    xp, xd = (float(v) for v in best.x)
+    if not (lo + 0.02 < xp < hi - 0.02 and lo + 0.02 < xd < hi - 0.02):
+        return None
+    if best.fun >= 0.5 * loss(np.array([x, x])):
+        return None
+    jac = np.column_stack([
+        (residuals(xp + DIFF_STEP, xd) - residuals(xp - DIFF_STEP, xd)) / (2 * DIFF_STEP),
+        (residuals(xp, xd + DIFF_STEP) - residuals(xp, xd - DIFF_STEP)) / (2 * DIFF_STEP),
+    ])  # fmt: skip
+    variance = _variances(fitted, hists, latencies(xp, xd))
+    if not np.all(np.isfinite(variance)):
+        return None
+    info = jac.T @ (weights[:, None] * jac)
+    if abs(np.linalg.det(info)) < 1e-9:
+        return None
+    inv = np.linalg.inv(info)
+    wj = weights[:, None] * jac
+    cov = inv @ (wj.T @ (variance[:, None] * wj)) @ inv
+    sigmas = np.sqrt(np.maximum(np.diag(cov), 0.0))
+    if np.any(np.exp(1.96 * sigmas) - 1 > MAX_HALF_WIDTH):
+        return None
+    factors = {
+        phase: (math.exp(v), math.exp(v - 1.96 * sd), math.exp(v + 1.96 * sd))
+        for phase, v, sd in (("prefill", xp, sigmas[0]), ("decode", xd, sigmas[1]))
+    }
+    return factors, stats_at(xp, xd)
 
 
 DIFF_STEP = 0.05  # log-factor step of the Jacobian's central differences
@@ -510,9 +586,9 @@ def pool(fits: Sequence[ReplicaFit]) -> tuple[list[StepCorrectionFit], list[str]
                          "whole replica's, so it is shown but not stored (a correction per GPU "
                          "type needs a replica on that GPU alone)")  # fmt: skip
             continue
-        k, lo, hi = f.factor
-        sigma = max((math.log(hi) - math.log(lo)) / (2 * 1.96), 1e-6)
-        groups.setdefault((f.gpus[0], f.model, f.phase), []).append((f, math.log(k), sigma))
+        for phase, (k, lo, hi) in f.factors.items():
+            sigma = max((math.log(hi) - math.log(lo)) / (2 * 1.96), 1e-6)
+            groups.setdefault((f.gpus[0], f.model, phase), []).append((f, math.log(k), sigma))
     out = []
     for (gpu, model, phase), rows in sorted(groups.items()):
         w = np.array([1 / s**2 for _, _, s in rows])
