@@ -269,11 +269,13 @@ def _write(stack: str, fleet: Any, corrections: list[Any], source: str, window: 
     if not corrections:
         err.print("Nothing fitted: the stack file is unchanged.")
         return
-    fresh = {(c.gpu, c.model, c.phase) for c in corrections}
+    # A (GPU type, model) measured again replaces all its corrections (an aggregated model's
+    # one factor, or its prompt and decode steps' apart); the others are kept.
+    fresh = {(c.gpu, c.model) for c in corrections}
     kept = [
         c
         for c in (fleet.calibration.corrections if fleet.calibration else [])
-        if (c.gpu, c.model, c.phase) not in fresh
+        if (c.gpu, c.model) not in fresh
     ]
     now = dt.datetime.now(dt.UTC).replace(microsecond=0)
     calibration = FleetCalibration(

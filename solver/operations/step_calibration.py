@@ -386,6 +386,25 @@ def fit_replica(
         for m in fitted
     ]
     factor = math.exp(x)
+
+    def fitted_replica(
+        factors: dict[str, tuple[float, float, float]], quantiles: list[Quantiles]
+    ) -> ReplicaFit:
+        return ReplicaFit(
+            facts.replica, facts.model, facts.phase, facts.gpus, n, factors, quantiles,
+            {"rate_per_s": replay.rate_per_s, "mean_prompt": replay.prompt.mean,
+             "prompt_sigma": replay.prompt.sigma, "mean_output": replay.output.mean,
+             "output_sigma": replay.output.sigma, "replayed": float(len(replay.arrival_s))},
+        )  # fmt: skip
+
+    if facts.phase == "aggregated" and _phases_disagree(residuals(x)):
+        split = _split_fit(residuals, stats_at, latencies, weights, fitted, hists, x, lo, hi)
+        if split is not None:
+            factors, pred = split
+            return fitted_replica(factors, [
+                Quantiles(m, _three(measured[m]), _three(pred[m]), _three(base[m]))
+                for m in fitted
+            ])  # fmt: skip
     if x <= lo + 0.02 or x >= hi - 0.02:
         return refuse(f"the factor reached the search's bounds {FACTOR_BOUNDS[0]:g}-"
                       f"{FACTOR_BOUNDS[1]:g}x: the model is off by more than a calibration "
@@ -405,21 +424,7 @@ def fit_replica(
         return refuse(f"too noisy: the 95% interval of the factor {factor:.2f} ({width}) is wider "
                       f"than +-{MAX_HALF_WIDTH:.0%}; use a longer --window or more load",
                       quantiles)  # fmt: skip
-    factors: dict[str, tuple[float, float, float]] = {facts.phase: (factor, low, high)}
-    if facts.phase == "aggregated" and _phases_disagree(residuals(x)):
-        split = _split_fit(residuals, stats_at, latencies, weights, fitted, hists, x, lo, hi)
-        if split is not None:
-            factors, pred = split
-            quantiles = [
-                Quantiles(m, _three(measured[m]), _three(pred[m]), _three(base[m]))
-                for m in fitted
-            ]
-    return ReplicaFit(
-        facts.replica, facts.model, facts.phase, facts.gpus, n, factors, quantiles,
-        {"rate_per_s": replay.rate_per_s, "mean_prompt": replay.prompt.mean,
-         "prompt_sigma": replay.prompt.sigma, "mean_output": replay.output.mean,
-         "output_sigma": replay.output.sigma, "replayed": float(len(replay.arrival_s))},
-    )  # fmt: skip
+    return fitted_replica({facts.phase: (factor, low, high)}, quantiles)
 
 
 SPLIT_AT = 0.10  # one factor leaves TTFT and TPOT this far off, in opposite directions: split

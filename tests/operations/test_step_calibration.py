@@ -239,3 +239,40 @@ def test_a_correction_of_an_unknown_gpu_or_model_is_named(tmp_path, correction, 
         fleet = load_stack(tmp_path, "x")
         check_fleet(fleet, load_catalog(), load_perf_model().cards)
     assert field in str(e.value)
+
+
+@pytest.mark.slow  # about 80 s of replays on 2 cores; the serving test splits a real replica
+def test_an_aggregated_replica_whose_phases_are_off_apart_is_split(perf):
+    """A replica serving the Azure trace aggregated whose steps with prompt tokens take 1.2x
+    and whose steps of decodes alone take 2x their modelled time: one factor cannot hold both
+    TTFT and TPOT, so the fit splits them, and gets each back within 0.15."""
+    from unittest import mock
+
+    from coral_iac.fleet_metrics import metrics_from_exposition
+    from solver.operations.step_calibration import ReplicaFacts, fit_replica
+    from tests.factories import single_node_template
+    from tests.operations import recorded_fleet
+    from tests.operations.recorded_fleet import replica_requests
+
+    spec = load_stack(REPO / "stacks", "dev").models["phi-4"]
+    t = single_node_template("phi-4", "l40sx1", perf.card("phi-4").layers)
+    t = t.model_copy(update={"phase": "aggregated", "unit": "requests/s"})
+    inst = InstanceModel.serving(perf, t, spec.model_copy(update={"serving": "aggregated"}))
+    key = "phi-4/aggregated/aws:us-east-2/l40sx1/0"
+    facts = ReplicaFacts(key, "phi-4", "aggregated", ("l40s",), inst)
+    batch, decode = InstanceModel.batch_stage_ms, InstanceModel.decode_round_ms
+
+    def by_phase(self, tokens, seqs, ctx, pairs):  # type: ignore[no-untyped-def]
+        k = 1.2 if pairs > 0 else 2.0
+        return [k * ms for ms in batch(self, tokens, seqs, ctx, pairs)]
+
+    assert replica_requests(0.5, 60, 1).arrival_s.size > 0
+    with mock.patch.multiple(InstanceModel, batch_stage_ms=by_phase,
+                             decode_round_ms=lambda self, n: 2.0 * decode(self, n)):  # fmt: skip
+        text = recorded_fleet.record([facts], {key: 0.5}, SECONDS, 1.0, 16384)
+    metrics = metrics_from_exposition(text, [key], "20m")
+    fit = fit_replica(facts, metrics[key], 16384)
+    assert hasattr(fit, "factors"), fit
+    assert set(fit.factors) == {"prefill", "decode"}, fit  # type: ignore[union-attr]
+    assert fit.factors["prefill"][0] == pytest.approx(1.2, abs=0.15), fit.factors  # type: ignore[union-attr]
+    assert fit.factors["decode"][0] == pytest.approx(2.0, abs=0.15), fit.factors  # type: ignore[union-attr]

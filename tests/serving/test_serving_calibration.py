@@ -176,5 +176,7 @@ def test_calibrate_brings_the_prediction_of_a_real_replica_within_15_percent(tmp
     for q in result.quantiles:  # mean, p50, p90
         assert q.predicted[1] == pytest.approx(q.measured[1], rel=0.15), (q.metric, summary)
         assert q.predicted[0] == pytest.approx(q.measured[0], rel=0.15), (q.metric, summary)
-    (correction,) = pool([result])[0]
-    assert (correction.gpu, correction.model, correction.phase) == ("cpu", "tiny", "aggregated")
+    # One factor for all its steps, or its prompt steps and decode-only steps apart.
+    corrections = pool([result])[0]
+    assert {(c.gpu, c.model) for c in corrections} == {("cpu", "tiny")}
+    assert sorted(c.phase for c in corrections) in (["aggregated"], ["decode", "prefill"])
