@@ -6,7 +6,11 @@ from __future__ import annotations
 import shutil
 import socket
 import subprocess
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
@@ -63,3 +67,21 @@ def wait_for(url: str, proc: subprocess.Popen[bytes], log: Path, query: str, lea
 def stop(proc: subprocess.Popen[bytes]) -> None:
     proc.terminate()
     proc.wait(timeout=10)
+
+
+@contextmanager
+def scraping(
+    handler: type[BaseHTTPRequestHandler], work: Path, query: str, least: float
+) -> Iterator[str]:
+    """A loopback server of `handler`'s metrics, scraped by Prometheus every half second; yields
+    Prometheus's URL once `query` reaches `least`, and stops both after."""
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    proc, url, log = start(work, [{"targets": [f"127.0.0.1:{server.server_port}"]}])
+    try:
+        wait_for(url, proc, log, query, least)
+        yield url
+    finally:
+        stop(proc)
+        server.shutdown()
+        server.server_close()

@@ -7,20 +7,22 @@ and the engine settings it runs with (`InstanceModel`, the caps the Pulumi progr
 
 **The replay.** The window's load goes through the project's engine model of that replica
 (`solver.simulation.simulator.engine_pass`; a prefill replica ends each request at its first
-token, a decode replica runs `decode_pass`): arrivals at the measured rate (Poisson), prompt
-and output lengths lognormal with the measured means (a histogram's sum over its count) and the
-sigma that makes the measured buckets most likely (`fit_lengths`). Every step takes `k_prefill`
-times its modelled time when it carries prompt tokens and `k_decode` times when it runs decodes
-alone, the rule `PerfModel.step_factor` applies in planning.
+token, a decode replica runs `decode_pass`): Poisson arrivals at the measured rate, prompt and
+output lengths drawn from the measured token histograms themselves (`sample_lengths`). Every
+step takes `k_prefill` times its modelled time when it carries prompt tokens and `k_decode`
+times when it runs decodes alone, the rule `PerfModel.step_factor` applies in planning.
 
-**The fit.** The predicted latencies go through the measured histogram's own buckets, and both
-are read with Prometheus's `histogram_quantile` rule (linear within a bucket), so the buckets'
-coarseness biases prediction and measurement alike. The factors (in log) minimise the squared
-log ratios of predicted to measured p50 and p90: of TTFT for `k_prefill` (prefill and
-aggregated replicas) and of TPOT for `k_decode` (decode and aggregated replicas), with scipy's
-bounded least squares; the replay keeps one seed, so the objective moves only with the factors.
-The 95% interval is the delta method's: the measured log-quantiles' covariance, from resampling
-each histogram's counts (multinomial, `RESAMPLES` times), through the fit's Jacobian.
+**The fit.** One factor per replica (`k_prefill = k_decode`), from TTFT for a prefill replica,
+TPOT for a decode replica, both for an aggregated one. The predicted latencies go through the
+measured histogram's own buckets, and both are read with Prometheus's `histogram_quantile` rule
+(linear within a bucket), so the buckets' coarseness biases prediction and measurement alike.
+The log factor minimises the weighted squared log ratios of predicted to measured mean (exact:
+the histogram's sum over its count), p50 and p90, each weighted by the inverse of its sampling
+variance plus `STAT_FLOOR`; the replay keeps one seed, so the objective moves only with the
+factor. The 95% interval is the delta method's: the statistics' variances (the measured counts
+resampled, the replayed requests resampled) through the fit's gradient. An aggregated replica
+whose one factor leaves TTFT and TPOT off in opposite directions is fitted again with its two
+step kinds apart (`_split_fit`), kept when both intervals hold.
 
 **Refusals** (`Refusal`, with the reason in words): no finished request; fewer than
 `MIN_REQUESTS`; a quantile in the +Inf bucket (beyond what the buckets resolve); a factor at the
@@ -162,7 +164,7 @@ def fit_lengths(h: Histogram) -> LengthFit:
     def nll(sigma: float) -> float:
         mu = math.log(mean) - sigma * sigma / 2
         with np.errstate(divide="ignore"):
-            z = (np.log(np.where(np.isinf(upper), np.inf, upper)) - mu) / max(sigma, 1e-9)
+            z = (np.log(upper) - mu) / max(sigma, 1e-9)
         cdf = ndtr(z)
         p = np.diff(np.concatenate(([0.0], cdf)))
         return float(-np.sum(counts * np.log(np.maximum(p, 1e-12))))
@@ -251,11 +253,11 @@ def predict(
     request the replica never finishes gets +inf."""
     scaled = ScaledSteps(inst, k_prefill, k_decode)
     arrival = replay.arrival_s
+    outputs = np.ones_like(replay.prompts) if phase == "prefill" else replay.outputs
     if phase == "decode":
-        context = replay.prompts + replay.outputs
-        first, finish, _ = decode_pass(scaled, arrival, context, replay.outputs)  # type: ignore[arg-type]
+        context = replay.prompts + outputs
+        first, finish, _ = decode_pass(scaled, arrival, context, outputs)  # type: ignore[arg-type]
     else:
-        outputs = np.ones_like(replay.prompts) if phase == "prefill" else replay.outputs
         first, finish, _ = engine_pass(
             scaled,  # type: ignore[arg-type]
             arrival,
@@ -264,10 +266,8 @@ def predict(
             inst.max_batched_tokens,
             inst.max_running,
         )
-        replay = Replay(replay.rate_per_s, replay.prompt, replay.output, arrival,
-                        replay.prompts, outputs)  # fmt: skip
     ttft = first - arrival
-    steps = np.maximum(replay.outputs - 1, 0)
+    steps = np.maximum(outputs - 1, 0)
     with np.errstate(invalid="ignore", divide="ignore"):
         tpot = np.where(steps > 0, (finish - first) / np.maximum(steps, 1), 0.0)
     return ttft, np.where(np.isfinite(finish), tpot, np.inf)
@@ -312,9 +312,9 @@ class Refusal:
 
 
 # The measured latencies that set a replica's factor, per replica phase. An aggregated replica
-# has one factor for all its steps: under chunked prefill most steps mix prompt chunks and
-# decodes, and a factor apart for the steps of decodes alone is barely identifiable (in a
-# replay at a known 1.5x, prefill and decode factors came out 1.59 and 1.38, intervals +-8-12%).
+# has one factor for all its steps unless they disagree (`_phases_disagree`): under load most
+# steps mix prompt chunks and decodes, and factors apart are barely identifiable (in a replay
+# at a known 1.5x, prefill and decode factors came out 1.59 and 1.38, intervals +-8-12%).
 FITTED: Mapping[str, tuple[str, ...]] = {
     "prefill": ("ttft",),
     "decode": ("tpot",),
@@ -325,7 +325,7 @@ FITTED: Mapping[str, tuple[str, ...]] = {
 def fit_replica(
     facts: ReplicaFacts, metrics: ReplicaMetrics, max_context: int | None
 ) -> ReplicaFit | Refusal:
-    """The replica's step factor (module doc), or why it cannot be fitted."""
+    """The replica's step factors (module doc), or why it cannot be fitted."""
     fitted = FITTED[facts.phase]
     n = int(round(metrics.requests))
 
@@ -356,11 +356,18 @@ def fit_replica(
                           "histogram's last finite bucket (or at 0) cannot be fitted")  # fmt: skip
     replay = replay_of(metrics, facts.phase, max_context)
 
+    replayed: dict[tuple[float, float], dict[str, np.ndarray]] = {}
+
     def latencies(log_k: float, log_decode: float | None = None) -> dict[str, np.ndarray]:
-        k = math.exp(log_k)
-        kd = k if log_decode is None else math.exp(log_decode)
-        return dict(zip(("ttft", "tpot"), predict(facts.instance, facts.phase, replay, k, kd),
-                        strict=True))  # fmt: skip
+        """The replay at these factors, run once per pair (the fit, its checks and its
+        interval ask the same points again)."""
+        key = (log_k, log_k if log_decode is None else log_decode)
+        if key not in replayed:
+            k, kd = (math.exp(v) for v in key)
+            replayed[key] = dict(zip(
+                ("ttft", "tpot"), predict(facts.instance, facts.phase, replay, k, kd), strict=True
+            ))  # fmt: skip
+        return replayed[key]
 
     def stats_at(log_k: float, log_decode: float | None = None) -> dict[str, np.ndarray]:
         lat = latencies(log_k, log_decode)

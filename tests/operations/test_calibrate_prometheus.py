@@ -10,10 +10,9 @@ percent `increase()` extrapolates at the window's end.
 from __future__ import annotations
 
 import shutil
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import numpy as np
@@ -84,21 +83,10 @@ def prometheus(recording, tmp_path_factory) -> Iterator[str]:
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Recorded)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    work = tmp_path_factory.mktemp("prometheus")
-    proc, url, log = prometheus_server.start(
-        work, [{"targets": [f"127.0.0.1:{server.server_port}"]}]
-    )
-    try:
-        # Until the counters have held at the recording for two seconds.
-        query = "min(count_over_time(vllm:request_prompt_tokens_count[8s]))"
-        prometheus_server.wait_for(url, proc, log, query, 14)
+    # Until the counters have held at the recording for two seconds.
+    query = "min(count_over_time(vllm:request_prompt_tokens_count[8s]))"
+    with prometheus_server.scraping(Recorded, tmp_path_factory.mktemp("prom"), query, 14) as url:
         yield url
-    finally:
-        prometheus_server.stop(proc)
-        server.shutdown()
-        server.server_close()
 
 
 def test_histograms_read_through_prometheus_are_the_recorded_ones(recording, prometheus):

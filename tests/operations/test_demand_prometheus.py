@@ -7,10 +7,9 @@ the floors, with a model without samples falling back and an unknown model repor
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import pytest
@@ -85,21 +84,10 @@ class Counters(BaseHTTPRequestHandler):
 
 @pytest.fixture(scope="module")
 def prometheus(tmp_path_factory) -> Iterator[str]:
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Counters)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
-    work = tmp_path_factory.mktemp("prometheus")
-    proc, url, log = prometheus_server.start(
-        work, [{"targets": [f"127.0.0.1:{server.server_port}"]}]
-    )
-    try:
-        # Until every series is older than the 4 s window: 11 samples in 6 s.
-        query = "min(count_over_time(vllm:prompt_tokens_total[6s]))"
-        prometheus_server.wait_for(url, proc, log, query, 11)
+    # Until every series is older than the 4 s window: 11 samples in 6 s.
+    query = "min(count_over_time(vllm:prompt_tokens_total[6s]))"
+    with prometheus_server.scraping(Counters, tmp_path_factory.mktemp("prom"), query, 11) as url:
         yield url
-    finally:
-        prometheus_server.stop(proc)
-        server.shutdown()
-        server.server_close()
 
 
 def stack_dir(tmp_path: Path, url: str) -> Path:
