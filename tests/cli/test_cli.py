@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
 from solver.performance.calibration import load_calibration
-from tests.conftest import FIXTURES, HELIX_DIR, REPO
+from tests.conftest import FIXTURES, HELIX_DIR, REPO, committed_library
 
 runner = CliRunner()
 
@@ -564,7 +564,7 @@ def test_plan_warns_of_each_model_below_its_target_with_a_spot_zone_lost(tmp_pat
 
     monkeypatch.chdir(REPO)
     out = tmp_path / "plan.json"
-    r = run("plan", "--stack", "spot", "--library", str(tmp_path / "lib"), "--out", str(out))
+    r = run("plan", "--stack", "spot", "--library", str(committed_library("spot")), "--out", str(out))
     assert r.exit_code == 0, r.output
     plan = Plan.model_validate_json(out.read_text())
     below = [a for a in plan.attainment if (a.under_preemption or 1.0) < a.target]

@@ -10,14 +10,14 @@ import yaml
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from tests.conftest import REPO
+from tests.conftest import REPO, committed_library
 
 runner = CliRunner()
 
 
 def test_preview_lists_nodes_and_cost(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path / "library")]
+    library = ["--library", str(committed_library("dev"))]
     r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
     assert r.exit_code == 0, r.output
     data = json.loads(r.stdout)
@@ -48,7 +48,7 @@ def test_preview_rebuilds_a_stale_local_library(tmp_path, monkeypatch):
 
 def test_render_writes_valid_user_data_per_node(tmp_path, monkeypatch):
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path / "library")]
+    library = ["--library", str(committed_library("dev"))]
     out = tmp_path / "ud"
     r = runner.invoke(app, ["render", "--stack", "dev", "--out", str(out), *library])
     assert r.exit_code == 0, r.output
@@ -84,7 +84,7 @@ def test_preview_and_render_a_stack_with_gcp_instances_through_the_cli(tmp_path,
     too, but whether its plan buys a GCP node depends on its demand and prices: it buys none
     since gpt-oss-20b moved to the Azure code trace.)"""
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path / "library")]
+    library = ["--library", str(committed_library("dev-gcp"))]
     r = runner.invoke(app, ["preview", "--stack", "dev-gcp", *library])
     assert r.exit_code == 0, r.output
     assert "gcp:us-central1:" in r.stdout and "/gcp:us-central1/" in r.stdout
@@ -99,7 +99,7 @@ def test_a_stack_stock_vllm_cannot_run_exits_1_with_the_reason(tmp_path, monkeyp
     `coral render` refuse it with the fix, instead of rendering nodes vLLM would refuse. The
     deployable stacks (dev, staging, prod) go through both commands in test_vllm_validation."""
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path / "library")]
+    library = ["--library", str(committed_library("paper-helix"))]
     for command in (["preview"], ["render", "--out", str(tmp_path / "ud")]):
         r = runner.invoke(app, [*command, "--stack", "paper-helix", *library])
         assert r.exit_code == 1, r.output
@@ -111,7 +111,7 @@ def test_preview_says_what_the_plan_needs_of_each_quota(tmp_path, monkeypatch):
     names each quota the GPU nodes count against, with the command that reads the limit. dev
     runs two g6e.xlarge (4 vCPUs each: solver/data/offers.yaml) under AWS's G and VT quota."""
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path / "library")]
+    library = ["--library", str(committed_library("dev"))]
     r = runner.invoke(app, ["preview", "--stack", "dev", "--json", *library])
     assert r.exit_code == 0, r.output
     (need,) = json.loads(r.stdout)["quota"]
@@ -162,7 +162,7 @@ def test_preview_json_shows_each_resource_with_its_inputs_and_masks_secrets(tmp_
 
     monkeypatch.chdir(REPO)
     r = runner.invoke(app, ["preview", "--stack", "dev", "--json", "--library",
-                            str(tmp_path / "library")])  # fmt: skip
+                            str(committed_library("dev"))])  # fmt: skip
     assert r.exit_code == 0, r.output
     resources = json.loads(r.stdout)["resources"]
     nodes = [x for x in resources if x["type"] == "aws:ec2/instance:Instance"]

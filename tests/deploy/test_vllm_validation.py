@@ -21,7 +21,7 @@ from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
 from solver.catalog.model_cards import load_model_cards
-from tests.conftest import REPO, committed_stacks
+from tests.conftest import REPO, committed_library, committed_stacks
 from tests.vllm_nodes import Proc, processes, run_vllm_checks, write_models
 
 GOLDEN = REPO / "tests" / "golden" / "bootstrap"
@@ -43,7 +43,7 @@ def stack_nodes(tmp_path_factory, monkeypatch_module) -> dict[str, list[Proc]]:
     runner = CliRunner()
     out: dict[str, list[Proc]] = {}
     for stack in DEPLOYABLE:
-        library = ["--library", str(root / "library" / stack)]  # a folder per stack, as by default
+        library = ["--library", str(committed_library(stack))]  # a folder per stack, as by default
         r = runner.invoke(app, ["preview", "--stack", stack, *library])
         assert r.exit_code == 0, f"coral preview --stack {stack}:\n{r.output}"
         assert "$/hour" in r.stdout, r.stdout
@@ -229,7 +229,7 @@ def test_paper_stack_renders_nodes_vllm_accepts_or_is_refused_with_the_fix(
     refusal and its fix (a disaggregated model without both phases in one region when
     colocate_phases is false, an SLO attainment below target); never a crash."""
     monkeypatch.chdir(REPO)
-    library = ["--library", str(tmp_path_factory.getbasetemp() / "library" / stack)]
+    library = ["--library", str(committed_library(stack))]
     out = tmp_path_factory.mktemp(stack)
     runner = CliRunner()
     preview = runner.invoke(app, ["preview", "--stack", stack, *library])

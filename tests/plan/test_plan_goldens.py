@@ -19,7 +19,7 @@ import pytest
 from typer.testing import CliRunner
 
 from coral_iac.cli.app import app
-from tests.conftest import committed_stacks
+from tests.conftest import committed_library, committed_stacks
 
 REPO = Path(__file__).resolve().parents[2]
 GOLDEN = REPO / "tests" / "golden" / "plans"
@@ -79,10 +79,10 @@ def test_every_committed_stack_has_a_golden_plan() -> None:
 
 @pytest.mark.parametrize("stack", QUICK)
 def test_quick_stack_plans_as_before(stack, tmp_path_factory, monkeypatch) -> None:
-    check_stack(stack, tmp_path_factory.mktemp("library"), monkeypatch)
+    check_stack(stack, committed_library(stack).parent, monkeypatch)
 
 
 @pytest.mark.plans
 @pytest.mark.parametrize("stack", LARGE)
 def test_large_stack_plans_as_before(stack, tmp_path_factory, monkeypatch) -> None:
-    check_stack(stack, tmp_path_factory.mktemp("library"), monkeypatch)
+    check_stack(stack, committed_library(stack).parent, monkeypatch)
